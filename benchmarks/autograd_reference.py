@@ -1,0 +1,59 @@
+"""The same machine written plainly with autograd: the reference the trainer's EP update is checked against.
+
+Lives outside trainer2/ because it uses autograd. Relaxation is the same damped leapfrog from rest,
+unrolled, so its gradient is the exact gradient of the loss at the (approximate) free equilibrium.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from trainer2.geometry import rotor_matrix
+from trainer2.machine import Machine
+
+
+def relax(x: Tensor, weights: list[Tensor], biases: list[Tensor], steps: int, dt: float, gamma: float, mass: float) -> list[Tensor]:
+    """Unrolled damped leapfrog on the layered energy from s = p = 0; returns the final state [h_1.., q]."""
+    s = [torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype) for w in weights]
+    p = [torch.zeros_like(t) for t in s]
+    for _ in range(steps):
+        below = [x, *s[:-1]]
+        force = []
+        for i in range(len(s)):
+            f = -s[i] + below[i] @ weights[i].T + biases[i]
+            if i + 1 < len(s):
+                f = f + s[i + 1] @ weights[i + 1]
+            force.append(f)
+        p = [(1 - gamma * dt) * pi + dt * fi for pi, fi in zip(p, force)]
+        s = [si + dt * pi / mass for si, pi in zip(s, p)]
+        s = [si.clamp(0.0, 1.0) if i < len(s) - 1 else si for i, si in enumerate(s)]
+    return s
+
+
+def readout_loss(q: Tensor, targets: Tensor, g_diag: Tensor, theta: Tensor, protos: Tensor, r_sc: Tensor, machine: Machine, beta_r: float, eps: float) -> Tensor:
+    """Per-example -log p_y with explicit (B, V, n) differences and log_softmax."""
+    rot = rotor_matrix(theta, machine.layout, q.shape[1])
+    z = (q[:, None, :] - protos[None]) @ rot.T
+    cost = r_sc * torch.sqrt((g_diag * z * z).sum(-1) + eps)
+    return -torch.log_softmax(-beta_r * cost, dim=1).gather(1, targets[:, None]).squeeze(1)
+
+
+def exact_grads(machine: Machine, inputs: Tensor, targets: Tensor, steps: int, dt: float, gamma: float, mass: float, beta_r: float, eps: float) -> tuple[dict[str, Tensor], Tensor]:
+    """Autograd gradient of the batch-mean loss at the free equilibrium for every named parameter, and the loss."""
+    names = list(machine.named_params())
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
+    with torch.enable_grad():
+        x = leaves["emb"][inputs].flatten(1) if "emb" in leaves else inputs
+        last = len(machine.energy.weights) - 1
+        tags = [("out" if i == last else str(i + 1)) for i in range(last + 1)]
+        s = relax(x, [leaves[f"W_{t}"] for t in tags], [leaves[f"b_{t}"] for t in tags], steps, dt, gamma, mass)
+        loss = readout_loss(s[-1], targets, leaves["g_diag"], leaves["theta"], leaves["protos"], leaves["r_sc"], machine, beta_r, eps).mean()
+        grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+    return {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}, loss.detach()
+
+
+def cosine(a: Tensor, b: Tensor) -> float:
+    return float((a.flatten() @ b.flatten()) / (a.norm() * b.norm()).clamp_min(1e-30))

@@ -1,0 +1,15 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def small_text(tmp_path):
+    """A small, learnable UTF-8 text file: repeated phrases, so a short run can lower held-out loss."""
+    words = ["the cat sat on the mat. ", "a dog ran in the fog. ", "we see the sea. "]
+    text = "".join(words[i % 3] for i in range(300))
+    path = tmp_path / "small.txt"
+    path.write_text(text, encoding="utf-8")
+    return path

@@ -1,0 +1,33 @@
+"""Tiny float64 machines and configs for fast CPU tests."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer2.config import TrainConfig
+from trainer2.machine import Machine, build_machine
+
+
+def tiny_config(**overrides) -> TrainConfig:
+    base = dict(dtype="float64", hidden_sizes=[12], coord_dim_n=4, rotor_k=5, context_len=3, embed_dim=3,
+                batch_size=5, tbptt_window_steps=200, nudge_steps=200, beta_nudge=1e-3)
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def tiny_machine(cfg: TrainConfig, num_classes: int = 7) -> Machine:
+    """A machine with non-trivial biases, rotor angles and metric, so every gradient is exercised."""
+    m = build_machine(cfg, num_classes, cfg.context_len, True, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for b in m.energy.biases:
+            b.copy_(torch.randn(b.shape, generator=gen, dtype=b.dtype) * 0.3)
+        m.readout.theta.copy_(torch.randn(m.readout.theta.shape, generator=gen, dtype=torch.float64))
+        m.readout.g_diag.copy_(torch.rand(m.readout.g_diag.shape, generator=gen, dtype=torch.float64) * 1.5 + 0.5)
+    return m
+
+
+def tiny_batch(cfg: TrainConfig, num_classes: int = 7, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, num_classes, (cfg.batch_size, cfg.context_len), generator=gen)
+    return inputs, torch.randint(0, num_classes, (cfg.batch_size,), generator=gen)

@@ -1,0 +1,196 @@
+"""TrainConfig: every knob of a run in one validated pydantic model, and the layering of presets.
+
+Layers, lowest first: field defaults < preset YAML (configs/NAME.yaml) < --config FILE < flags.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad config key, value, file or combination; the message names it."""
+
+
+class TrainConfig(BaseModel):
+    """One run of trainer2. Every field is also a command-line flag of the same name."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- run ---
+    run_name: str = Field("dev", description="Name of the run; outputs go to <checkpoint_dir>/<run_name>/.")
+    seed: int = Field(0, description="Seed for initialisation and the data sampler.")
+    device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    dtype: Literal["float32", "float64"] = Field("float32", description="Floating-point type of every tensor.")
+    checkpoint_dir: str = Field("checkpoints", description="Directory holding one folder per run.")
+
+    # --- data ---
+    data: str | None = Field(None, description="UTF-8 text file or .npz feature set; none = built-in pydoc corpus.")
+    context_len: int = Field(8, ge=1, description="Characters of context per example (text data).")
+    embed_dim: int = Field(16, ge=1, description="Embedding size per context character (text data).")
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of the data, by position, held out.")
+
+    # --- machine ---
+    hidden_sizes: list[int] = Field([256], min_length=1, description="Sizes of the hidden layers h_1..h_M.")
+    coord_dim_n: int = Field(16, ge=2, description="Dimension n of the output coordinates q.")
+    rotor_k: int = Field(32, ge=0, description="Number of Givens rotations in the readout's rotor frame.")
+    retrieval_beta: float = Field(1.0, gt=0.0, description="Inverse temperature of retrieval: p = softmax(-beta * cost).")
+    eps: float = Field(1e-6, gt=0.0, description="Added under the square root of the quadratic form spd.")
+    g_min: float = Field(0.05, gt=0.0, description="Lower clamp of the metric diagonal g_diag.")
+    g_max: float = Field(20.0, gt=0.0, description="Upper clamp of the metric diagonal g_diag.")
+    r_init: float = Field(1.0, gt=0.0, description="Initial resistance R_sc.")
+    r_min: float = Field(0.05, gt=0.0, description="Lower clamp of the resistance R_sc.")
+    out_init_scale: float = Field(0.5, gt=0.0, description="W_out starts at this multiple of the 1/sqrt(fan_in) scale.")
+    proto_init_scale: float = Field(1.0, gt=0.0, description="Standard deviation of the initial prototypes.")
+    spectral_cap: float = Field(0.5, gt=0.0, lt=1.0, description="Cap on the spectral norm of each coupling between state layers (keeps E convex).")
+    memory_capacity: int = Field(0, ge=0, description="Slots of the memory bank of recent equilibria; 0 = off.")
+
+    # --- dynamics ---
+    tbptt_window_steps: int = Field(64, ge=1, description="Free-phase relaxation steps per window.")
+    nudge_steps: int = Field(16, ge=1, description="Steps of each nudged phase.")
+    beta_nudge: float = Field(0.1, gt=0.0, description="Nudging strength beta.")
+    symmetric_nudge: bool = Field(True, description="Nudge with +beta and -beta (bias O(beta^2)) instead of +beta only.")
+    dt: float = Field(1.0, gt=0.0, description="Integrator step size.")
+    gamma: float = Field(1.0, ge=0.0, description="Damping; 0 = energy-conserving Stormer-Verlet (diagnostics only).")
+    mass: float = Field(1.0, gt=0.0, description="Mass of every state coordinate.")
+
+    # --- update ---
+    eta_update: float = Field(0.05, gt=0.0, description="Learning rate of the energy couplings.")
+    eta_readout_scale: float = Field(1.0, gt=0.0, description="Readout learning rate as a multiple of eta_update.")
+    eta_embed_scale: float = Field(1.0, gt=0.0, description="Embedding learning rate as a multiple of eta_update.")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Heavy-ball momentum of the update.")
+    weight_decay: float = Field(0.0, ge=0.0, description="L2 weight decay on the energy couplings.")
+    lr_warmup_windows: int = Field(0, ge=0, description="Windows of linear learning-rate warm-up.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate decay after warm-up.")
+    lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of the peak (cosine).")
+
+    # --- batching and speed ---
+    batch_size: int = Field(64, ge=1, description="Examples per window; follows capture_batch_size when only that is given.")
+    static_shapes: bool = Field(False, description="Keep every tensor's shape fixed for the whole run (needed for graphs).")
+    capture_batch_size: int | None = Field(None, ge=1, description="Batch size the CUDA graph is captured at; must equal batch_size.")
+    use_cudagraphs: bool = Field(False, description="Capture the batch step as a CUDA graph and replay it (CUDA only).")
+    warmup_steps: int = Field(3, ge=0, description="Eager windows on a side stream before graph capture.")
+    use_torch_compile: bool = Field(False, description="Compile the batch step with torch.compile.")
+    cudnn_benchmark: bool = Field(False, description="Set torch.backends.cudnn.benchmark.")
+    cudnn_deterministic: bool = Field(False, description="Set torch.backends.cudnn.deterministic.")
+    allow_tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere and newer GPUs.")
+
+    # --- loop, logging, evaluation, checkpoints ---
+    max_windows: int | None = Field(2000, ge=1, description="Stop after this many windows (batches); none = no limit.")
+    max_epochs: float | None = Field(None, gt=0.0, description="Stop after this many passes over the training data; none = no limit.")
+    log_every_windows: int = Field(50, ge=1, description="Windows between metric syncs (progress bar and telemetry).")
+    eval_every_windows: int = Field(500, ge=0, description="Windows between held-out evaluations; 0 = only at the end.")
+    eval_batches: int | None = Field(None, ge=1, description="Held-out batches per evaluation; none = the whole held-out split.")
+    save_every_windows: int = Field(0, ge=0, description="Windows between checkpoints; 0 = only at the end.")
+    keep_last: int = Field(3, ge=1, description="Checkpoints kept per run; older ones are pruned.")
+    step_progress_every: int = Field(0, ge=0, description="Report progress inside a window every K steps (eager only); 0 = off.")
+    timing_debug: bool = Field(False, description="Time each phase of every window and print a table.")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+        return v
+
+    @field_validator("hidden_sizes")
+    @classmethod
+    def _hidden(cls, v: list[int]) -> list[int]:
+        if any(h < 1 for h in v):
+            raise ValueError(f"every hidden size must be >= 1, got {v}")
+        return v
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v) or v in (".", ".."):
+            raise ValueError(f"expected letters, digits, '_', '-' or '.', got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "TrainConfig":
+        if self.g_min >= self.g_max:
+            raise ValueError(f"g_min ({self.g_min}) must be below g_max ({self.g_max})")
+        if self.use_cudagraphs and not self.static_shapes:
+            raise ValueError("use_cudagraphs needs static_shapes (a graph replays fixed shapes): add --static_shapes")
+        if self.use_cudagraphs and self.capture_batch_size is None:
+            raise ValueError("use_cudagraphs needs capture_batch_size (the batch size to capture at)")
+        if self.capture_batch_size is not None and self.capture_batch_size != self.batch_size:
+            raise ValueError(
+                f"capture_batch_size ({self.capture_batch_size}) must equal batch_size ({self.batch_size}): "
+                "a captured graph replays one batch shape"
+            )
+        if self.max_windows is None and self.max_epochs is None:
+            raise ValueError("set max_windows or max_epochs, or the run never ends")
+        return self
+
+
+def field_names() -> list[str]:
+    return list(TrainConfig.model_fields)
+
+
+def preset_path(name: str) -> Path:
+    """configs/NAME.yaml, or NAME itself when it is a path to a YAML file."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown preset {name!r}: expected one of {known} (files in {PRESET_DIR})")
+    return path
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML mapping of config fields; unknown keys are refused here, naming the file."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of field: value, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(field_names()))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown key(s) {unknown}; every key must be a TrainConfig field (see --help)")
+    return data
+
+
+def _follow_capture_batch(layer: dict[str, Any]) -> dict[str, Any]:
+    """A layer that sets capture_batch_size but not batch_size sets batch_size to match."""
+    if layer.get("capture_batch_size") is not None and "batch_size" not in layer:
+        layer = {**layer, "batch_size": layer["capture_batch_size"]}
+    return layer
+
+
+def build_config(layers: list[tuple[str, dict[str, Any]]]) -> TrainConfig:
+    """Merge (source, values) layers, lowest first, and validate; errors name the field and its source."""
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for source, layer in layers:
+        layer = _follow_capture_batch(layer)
+        merged.update(layer)
+        origin.update({k: source for k in layer})
+    try:
+        return TrainConfig(**merged)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "config"
+            where = f" (from {origin[field]})" if field in origin else ""
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{field}{where}: {msg}" + (f" (got {err['input']!r})" if field != "config" and "input" in err else ""))
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)

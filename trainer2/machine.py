@@ -1,0 +1,107 @@
+"""The learning machine's parameters: embedding, energy couplings, geometric readout; and its constraints."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trainer2.config import TrainConfig
+from trainer2.energy import EnergyParams, init_energy
+from trainer2.geometry import Candidates, ReadoutParams, RotorLayout, rotor_layout
+
+
+@dataclass
+class Machine:
+    """All learned tensors plus the static rotor layout. emb is None for feature data."""
+
+    emb: Tensor | None  # (V, embed_dim)
+    energy: EnergyParams
+    readout: ReadoutParams
+    layout: RotorLayout
+    num_classes: int
+
+    def named_params(self) -> dict[str, Tensor]:
+        """Every learned tensor by a stable name (checkpoint keys, update order)."""
+        out: dict[str, Tensor] = {} if self.emb is None else {"emb": self.emb}
+        last = len(self.energy.weights) - 1
+        for i, (w, b) in enumerate(zip(self.energy.weights, self.energy.biases)):
+            tag = "out" if i == last else str(i + 1)
+            out[f"W_{tag}"], out[f"b_{tag}"] = w, b
+        r = self.readout
+        out.update(g_diag=r.g_diag, theta=r.theta, protos=r.protos, r_sc=r.r_sc)
+        return out
+
+    def state_sizes(self) -> list[int]:
+        """[H_1, ..., H_M, n]."""
+        return [w.shape[0] for w in self.energy.weights]
+
+    def input_vectors(self, inputs: Tensor) -> Tensor:
+        """The clamped input x (B, D): concatenated context embeddings, or the features themselves."""
+        if self.emb is None:
+            return inputs
+        return self.emb[inputs].flatten(1)
+
+    def prototype_candidates(self) -> Candidates:
+        """The prototypes as retrieval candidates, one per class."""
+        protos = self.readout.protos
+        labels = torch.arange(self.num_classes, device=protos.device)
+        return Candidates(protos, labels, torch.zeros(self.num_classes, dtype=protos.dtype, device=protos.device))
+
+
+def build_machine(cfg: TrainConfig, num_classes: int, input_dim: int, text: bool, device: torch.device) -> Machine:
+    """Initialise a machine from the config, deterministically from cfg.seed. input_dim = context_len (text) or D."""
+    dtype = getattr(torch, cfg.dtype)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    emb = torch.randn(num_classes, cfg.embed_dim, generator=gen, dtype=dtype) if text else None
+    x_dim = input_dim * cfg.embed_dim if text else input_dim
+    energy = init_energy([x_dim, *cfg.hidden_sizes, cfg.coord_dim_n], cfg.out_init_scale, gen, dtype)
+    n = cfg.coord_dim_n
+    readout = ReadoutParams(
+        g_diag=torch.ones(n, dtype=dtype),
+        theta=torch.zeros(cfg.rotor_k, dtype=dtype),
+        protos=torch.randn(num_classes, n, generator=gen, dtype=dtype) * cfg.proto_init_scale,
+        r_sc=torch.tensor(cfg.r_init, dtype=dtype),
+    )
+    m = Machine(emb, energy, readout, rotor_layout(n, cfg.rotor_k), num_classes)
+    return move_machine(m, device)
+
+
+def move_machine(m: Machine, device: torch.device) -> Machine:
+    def mv(t: Tensor) -> Tensor:
+        return t.to(device)
+
+    layout = RotorLayout([mv(a) for a in m.layout.a], [mv(b) for b in m.layout.b], m.layout.slices)
+    r = m.readout
+    return Machine(
+        None if m.emb is None else mv(m.emb),
+        EnergyParams([mv(w) for w in m.energy.weights], [mv(b) for b in m.energy.biases]),
+        ReadoutParams(mv(r.g_diag), mv(r.theta), mv(r.protos), mv(r.r_sc)),
+        layout,
+        m.num_classes,
+    )
+
+
+def couplings(m: Machine) -> list[Tensor]:
+    """The couplings between state layers (W_2..W_M, W_out); W_1 only touches the clamped input."""
+    return m.energy.weights[1:]
+
+
+def project_constraints(m: Machine, cfg: TrainConfig, power_vecs: list[Tensor]) -> None:
+    """After every update: clamp g_diag and R_sc, wrap angles to [-pi, pi), cap each coupling's spectral norm.
+
+    The cap uses two power-iteration steps with a persistent vector per coupling (power_vecs[i] is
+    (H_out,)), all on the device with no host sync.
+    """
+    r = m.readout
+    r.g_diag.clamp_(cfg.g_min, cfg.g_max)
+    r.r_sc.clamp_(min=cfg.r_min)
+    r.theta.add_(math.pi).remainder_(2 * math.pi).sub_(math.pi)
+    for w, u in zip(couplings(m), power_vecs):
+        for _ in range(2):
+            v = torch.nn.functional.normalize(u @ w, dim=0)
+            u.copy_(torch.nn.functional.normalize(w @ v, dim=0))
+        sigma = u @ (w @ v)
+        w.mul_(torch.clamp(cfg.spectral_cap / sigma.abs().clamp_min(1e-12), max=1.0))
