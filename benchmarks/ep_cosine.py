@@ -1,0 +1,78 @@
+"""Cosine between the trainer's EP update and the true gradient, on real batches, with a preset's own settings.
+
+    python benchmarks/ep_cosine.py --preset dev [--train_windows 500] [--batches 4]
+
+The true gradient is autograd through a long (converged) relaxation in float64; the EP estimate is the
+trainer's own `Learner.grads` with the preset's window lengths and dtype. Printed per parameter group
+and for all parameters together, at initialisation and after some training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.autograd_reference import cosine, exact_grads  # noqa: E402
+from trainer2.cli import resolve_config, train_parser  # noqa: E402
+from trainer2.learning import param_group  # noqa: E402
+from trainer2.machine import move_machine  # noqa: E402
+from trainer2.trainer import Trainer  # noqa: E402
+
+
+def to_float64(machine):
+    m = copy.deepcopy(machine)
+    for t in m.named_params().values():
+        t.data = t.data.double()
+    return move_machine(m, torch.device("cpu"))
+
+
+def measure(trainer: Trainer, batches: int, true_steps: int) -> dict[str, float]:
+    """Mean over `batches` training batches of the cosine per group and overall."""
+    cfg = trainer.cfg
+    sums: dict[str, float] = {}
+    for _ in range(batches):
+        inputs, targets = trainer.next_batch()
+        with torch.no_grad():
+            est = trainer.learner.grads(inputs, targets).grads
+        ref, _ = exact_grads(to_float64(trainer.machine), inputs.cpu(), targets.cpu(), true_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+        names = trainer.learner.names
+        groups: dict[str, tuple[list, list]] = {}
+        for n, g in zip(names, est):
+            a, b = groups.setdefault(param_group(n), ([], []))
+            a.append(g.double().cpu().flatten())
+            b.append(ref[n].flatten())
+        groups["all"] = ([x for v in groups.values() for x in v[0]], [x for v in groups.values() for x in v[1]])
+        for k, (a, b) in groups.items():
+            sums[k] = sums.get(k, 0.0) + cosine(torch.cat(a), torch.cat(b)) / batches
+    return sums
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="dev")
+    p.add_argument("--train_windows", type=int, default=500, help="windows of training before the second measurement")
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--true_steps", type=int, default=400, help="relaxation steps of the converged reference")
+    args = p.parse_args()
+    cfg = resolve_config(train_parser().parse_args(["--preset", args.preset, "--device", "cpu", "--run_name", f"ep_cosine_{args.preset}", "--max_windows", str(max(1, args.train_windows)), "--eval_batches", "2"]))
+    trainer = Trainer(cfg, log=lambda *_: None)
+    print(f"preset {args.preset}: T_free={cfg.tbptt_window_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, "
+          f"symmetric={cfg.symmetric_nudge}, dtype={cfg.dtype}; reference: {args.true_steps} steps, float64")
+    rows = [("init", measure(trainer, args.batches, args.true_steps))]
+    if args.train_windows:
+        trainer.train()
+        rows.append((f"after {args.train_windows} windows", measure(trainer, args.batches, args.true_steps)))
+    keys = list(rows[0][1])
+    print(f"{'':>22} " + " ".join(f"{k:>9}" for k in keys))
+    for label, vals in rows:
+        print(f"{label:>22} " + " ".join(f"{vals[k]:9.5f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
