@@ -62,10 +62,13 @@ class TrainConfig(BaseModel):
     mass: float = Field(1.0, gt=0.0, description="Mass of every state coordinate.")
 
     # --- update ---
-    eta_update: float = Field(0.05, gt=0.0, description="Learning rate of the energy couplings.")
+    eta_update: float = Field(0.003, gt=0.0, description="Base learning rate (energy couplings; other groups scale it).")
     eta_readout_scale: float = Field(1.0, gt=0.0, description="Readout learning rate as a multiple of eta_update.")
     eta_embed_scale: float = Field(1.0, gt=0.0, description="Embedding learning rate as a multiple of eta_update.")
-    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Heavy-ball momentum of the update.")
+    update_rule: Literal["momentum", "adam"] = Field("adam", description="Hand-written update: heavy-ball momentum or Adam.")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Heavy-ball momentum, or Adam's beta1.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam's second-moment decay.")
+    adam_eps: float = Field(1e-8, gt=0.0, description="Adam's denominator epsilon.")
     weight_decay: float = Field(0.0, ge=0.0, description="L2 weight decay on the energy couplings.")
     lr_warmup_windows: int = Field(0, ge=0, description="Windows of linear learning-rate warm-up.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate decay after warm-up.")

@@ -43,14 +43,17 @@ class UpdateState:
     breaks a captured graph), the count of dropped updates, and the power-iteration vectors of the caps."""
 
     bufs: list[Tensor]
+    sq: list[Tensor]  # Adam's second moments (empty for heavy-ball)
+    count: Tensor  # 0-dim, applied updates (Adam's bias correction)
     lr: Tensor
     dropped: Tensor
     power_vecs: list[Tensor]
 
     def tensors(self, names: list[str]) -> dict[str, Tensor]:
         out = {f"momentum.{n}": b for n, b in zip(names, self.bufs)}
+        out.update({f"second_moment.{n}": b for n, b in zip(names, self.sq)})
         out.update({f"power.{i}": v for i, v in enumerate(self.power_vecs)})
-        out.update({"update.lr": self.lr, "update.dropped": self.dropped})
+        out.update({"update.lr": self.lr, "update.dropped": self.dropped, "update.count": self.count})
         return out
 
 
@@ -61,8 +64,9 @@ def param_group(name: str) -> str:
     return "energy" if name[:2] in ("W_", "b_") else "readout"
 
 
-def foreach_update(params: list[Tensor], grads: list[Tensor], st: UpdateState, mults: list[float], decay: list[float], momentum: float) -> tuple[Tensor, list[Tensor]]:
-    """Heavy-ball step p -= lr * mult * buf, buf = momentum * buf + grad + decay * p, over all tensors at once.
+def foreach_update(params: list[Tensor], grads: list[Tensor], st: UpdateState, mults: list[float], decay: list[float], cfg: TrainConfig) -> tuple[Tensor, list[Tensor]]:
+    """One step over all tensors at once: heavy-ball (buf = momentum * buf + grad, p -= lr * mult * buf) or
+    Adam (momentum as beta1, bias-corrected); grad includes decay * p.
 
     A non-finite gradient anywhere drops the whole update (buffers and parameters untouched) by a
     device-side mask, counted in st.dropped; nothing syncs with the host. Returns (mask (0-dim),
@@ -72,9 +76,24 @@ def foreach_update(params: list[Tensor], grads: list[Tensor], st: UpdateState, m
     grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
     torch._foreach_add_(grads, torch._foreach_mul(params, decay))
     torch._foreach_mul_(grads, ok)
-    torch._foreach_mul_(st.bufs, 1.0 + ok * (momentum - 1.0))  # momentum, or 1 (keep) when dropped
-    torch._foreach_add_(st.bufs, grads)
-    steps = torch._foreach_mul(st.bufs, mults)
+    mu = cfg.momentum
+    torch._foreach_mul_(st.bufs, 1.0 + ok * (mu - 1.0))  # decay by momentum, or keep when dropped
+    if cfg.update_rule == "momentum":
+        torch._foreach_add_(st.bufs, grads)
+        steps = torch._foreach_mul(st.bufs, mults)
+    else:
+        b2 = cfg.adam_beta2
+        st.count.add_(ok)
+        torch._foreach_add_(st.bufs, grads, alpha=1.0 - mu)
+        torch._foreach_mul_(st.sq, 1.0 + ok * (b2 - 1.0))
+        torch._foreach_addcmul_(st.sq, grads, grads, value=1.0 - b2)
+        t = st.count.clamp(min=1.0)
+        denom = torch._foreach_div(st.sq, 1.0 - b2**t)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, cfg.adam_eps)
+        steps = torch._foreach_div(st.bufs, denom)
+        torch._foreach_mul_(steps, mults)
+        torch._foreach_div_(steps, 1.0 - mu**t)
     torch._foreach_mul_(steps, st.lr * ok)
     torch._foreach_sub_(params, steps)
     st.dropped.add_(1.0 - ok)
@@ -102,6 +121,8 @@ class Learner:
         params = list(machine.named_params().values())
         self.update = UpdateState(
             bufs=[torch.zeros_like(p) for p in params],
+            sq=[torch.zeros_like(p) for p in params] if cfg.update_rule == "adam" else [],
+            count=torch.zeros((), dtype=like.dtype, device=like.device),
             lr=torch.tensor(cfg.eta_update, dtype=like.dtype, device=like.device),
             dropped=torch.zeros((), dtype=like.dtype, device=like.device),
             power_vecs=[torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=like.dtype, device=like.device), dim=0) for w in couplings(machine)],
@@ -165,7 +186,7 @@ class Learner:
         """The whole batch step: free phase, nudged phase(s), update, constraints, memory write, metrics."""
         out = self.grads(inputs, targets)
         params = list(self.m.named_params().values())
-        ok, norms = foreach_update(params, out.grads, self.update, self.mults, self.decay, self.cfg.momentum)
+        ok, norms = foreach_update(params, out.grads, self.update, self.mults, self.decay, self.cfg)
         project_constraints(self.m, self.cfg, self.update.power_vecs)
         if self.memory is not None:
             self.memory.write(self.s0.s[-1], targets)
