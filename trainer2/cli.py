@@ -6,12 +6,14 @@ Every TrainConfig field is a flag of the same name, generated from the model so 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from trainer2.checkpoint import CheckpointError, fresh_run_guard, read_meta, resume_config
 from trainer2.config import ConfigError, TrainConfig, build_config, preset_path, read_yaml
 from trainer2.data import DataError
 
@@ -53,12 +55,19 @@ def train_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", help="Preset name in configs/ (dev, production, profiling) or a YAML path.")
     p.add_argument("--config", help="YAML file of config fields, applied over the preset.")
+    p.add_argument("--resume", metavar="latest|PATH", help="Continue from the run's newest checkpoint ('latest') or a "
+                   "step_<N>/ directory; its config is the lowest layer, and model/data fields must match it.")
     add_config_flags(p)
     return p
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
     """Build the layered config from parsed arguments."""
+    return build_config(config_layers(args))
+
+
+def config_layers(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(source, values) layers from --preset, --config and flags, lowest first."""
     layers: list[tuple[str, dict[str, Any]]] = []
     if args.preset:
         path = preset_path(args.preset)
@@ -67,15 +76,22 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
         layers.append((f"config {args.config}", read_yaml(Path(args.config))))
     flags = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields}
     layers.append(("command line", flags))
-    return build_config(layers)
+    return layers
 
 
 def cmd_train(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
-    cfg = resolve_config(args)
     from trainer2.trainer import Trainer
 
-    summary = Trainer(cfg).train()
+    if args.resume:
+        cfg, path = resume_config(args.resume, config_layers(args))
+        trainer = Trainer(cfg)
+        trainer.load_checkpoint(path)
+    else:
+        cfg = resolve_config(args)
+        fresh_run_guard(cfg)
+        trainer = Trainer(cfg)
+    summary = trainer.train()
     print(
         f"done: {summary['windows']} windows, {summary['examples_seen']} examples in {summary['wall_seconds']:.1f}s "
         f"({summary['windows_per_second']:.2f} win/s); held-out bpc {summary['heldout_bpc']:.3f}, "
@@ -84,7 +100,26 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train}
+def cmd_evaluate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="trainer2 evaluate", description="Print the held-out metrics of a checkpoint as JSON.")
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="A step_<N>/ checkpoint directory.")
+    p.add_argument("--device", default=argparse.SUPPRESS, help="Device to evaluate on (default: the checkpoint's).")
+    p.add_argument("--eval_batches", type=_none_or(int), default=argparse.SUPPRESS, metavar="N",
+                   help="Held-out batches of 512 to score; none = all (default: the checkpoint's).")
+    args = vars(p.parse_args(argv))
+    from trainer2.trainer import Trainer
+
+    path = Path(args.pop("checkpoint"))
+    meta = read_meta(path)
+    cfg = build_config([(f"checkpoint {path}", meta["config"]), ("command line", args)])
+    trainer = Trainer(cfg, log=lambda msg: print(msg, file=sys.stderr))
+    trainer.load_checkpoint(path)
+    out = {"checkpoint": str(path), "window": trainer.progress.window, **trainer.evaluate()}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     run = command or cmd_train
     try:
         return run(argv[1:] if command else argv)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:
         print(f"trainer2: error: {e}", file=sys.stderr)
         return 2

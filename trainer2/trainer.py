@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from trainer2.checkpoint import load_trainer, save_trainer
 from trainer2.config import ConfigError, TrainConfig, to_yaml
 from trainer2.data import Dataset, Sampler, heldout_batches, load_dataset
 from trainer2.learning import METRICS, Learner
@@ -57,6 +58,7 @@ class Trainer:
         self.graphs = cfg.use_cudagraphs and self.device.type == "cuda"
         if cfg.use_cudagraphs and not self.graphs:
             log("warning: --use_cudagraphs needs a CUDA device; none is in use here, so the run goes on eagerly")
+        torch.manual_seed(cfg.seed)  # the global RNGs too, so anything drawing from them repeats (and is checkpointed)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
         torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
@@ -115,8 +117,12 @@ class Trainer:
                 row["wall_seconds"] = self.progress.wall_seconds
                 self.history.append(row)
                 bar.set_postfix(self.postfix(row), refresh=False)
+            if cfg.save_every_windows and self.progress.window % cfg.save_every_windows == 0 and not done:
+                self.progress.wall_seconds = time.perf_counter() - start
+                self.save_checkpoint()
         bar.close()
         self.progress.wall_seconds = time.perf_counter() - start
+        self.save_checkpoint()
         return self.save_summary()
 
     def sync_metrics(self) -> dict[str, float]:
@@ -167,6 +173,17 @@ class Trainer:
         return {"heldout_loss": mean, "heldout_bpc": mean / math.log(2), "heldout_acc": correct_v / max(count, 1)}
 
     # --- outputs ---
+
+    def save_checkpoint(self) -> Path:
+        """Write <run_dir>/step_<window>/ (see trainer2.checkpoint) and prune to keep_last."""
+        path = save_trainer(self)
+        self.log(f"checkpoint: {path}")
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore parameters, update state, metrics, memory, RNG, sampler and counters in place from `path`."""
+        load_trainer(self, Path(path))
+        self.log(f"resumed from {path} at window {self.progress.window}")
 
     def save_summary(self) -> dict[str, float]:
         """Write <run_dir>/summary.json and return it; held-out figures come from the last evaluation."""
