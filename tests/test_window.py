@@ -46,8 +46,9 @@ def test_unit_step_is_the_fixed_point_iteration():
     cfg, m, learner, frame, x = primed_learner(dt=1.0, gamma=1.0, mass=1.0)
     ws = learner.ws
     ws.state.zero_()
-    h0 = torch.rand_like(ws.state.s[0])
-    q0 = torch.randn_like(ws.state.s[1])
+    gen = torch.Generator().manual_seed(0)
+    h0 = torch.rand(ws.state.s[0].shape, generator=gen, dtype=torch.float64)
+    q0 = torch.randn(ws.state.s[1].shape, generator=gen, dtype=torch.float64)
     ws.state.s[0].copy_(h0)
     ws.state.s[1].copy_(q0)
     (w1, wo), (b1, bo) = m.energy.weights, m.energy.biases
@@ -61,24 +62,28 @@ def hamiltonian(m, x, state, mass):
 
 
 def test_stormer_verlet_energy_drift_stays_bounded_over_1000_steps():
-    cfg, m, learner, frame, x = primed_learner(dt=0.05, gamma=0.0, mass=1.0)
+    cfg, m, learner, frame, x = primed_learner(dt=0.02, gamma=0.0, mass=1.0)
     with torch.no_grad():  # an interior equilibrium, so the box never binds and E is a plain quadratic
         m.energy.biases[0].fill_(0.5)
         m.energy.weights[0].mul_(0.1)
     ws = learner.ws
     ws.state.zero_()
     ws.state.s[0].fill_(0.5)
-    ws.state.p[0].copy_(torch.randn_like(ws.state.p[0]) * 0.1)
-    ws.state.p[1].copy_(torch.randn_like(ws.state.p[1]) * 0.1)
+    ws.state.s[1].copy_(ws.state.s[0] @ m.energy.weights[1].T + m.energy.biases[1])  # near rest: motion comes from p
+    gen = torch.Generator().manual_seed(0)
+    ws.state.p[0].copy_(torch.randn(ws.state.p[0].shape, generator=gen, dtype=torch.float64) * 0.03)
+    ws.state.p[1].copy_(torch.randn(ws.state.p[1].shape, generator=gen, dtype=torch.float64) * 0.03)
     input_drive(x, m.energy, ws.drive)
     h0 = hamiltonian(m, x, ws.state, cfg.mass)
+    kinetic0 = sum((p * p).sum(1) for p in ws.state.p) / (2 * cfg.mass)
     drift = []
     for _ in range(1000):
         run_window(ws, m.energy, frame, 0.0, 1, learner.integ, cfg.eps)
         assert ((ws.state.s[0] > 0) & (ws.state.s[0] < 1)).all()
         drift.append((hamiltonian(m, x, ws.state, cfg.mass) - h0).abs().max())
     drift = torch.stack(drift)
-    assert drift.max() < 5e-3, drift.max()
+    # Symplectic Euler conserves a nearby Hamiltonian: the error oscillates at O(dt) of the motion's energy.
+    assert drift.max() < 0.1 * kinetic0.min(), (drift.max(), kinetic0)
     assert drift[500:].max() < 1.5 * drift[:500].max() + 1e-12  # bounded: no secular growth
 
 
