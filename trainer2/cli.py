@@ -14,6 +14,7 @@ from typing import Any, Callable, Literal
 
 from trainer2.config import ConfigError, TrainConfig, build_config, preset_path, read_yaml
 from trainer2.data import DataError
+from trainer2.plot import cmd_plot
 
 
 def _none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -84,7 +85,7 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train}
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> int:
