@@ -250,3 +250,14 @@ def test_plot_refuses_a_directory_without_telemetry(tmp_path, capsys):
     assert "telemetry.jsonl: no such file" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_phases_are_timed_with_events_and_memory_and_device_ops_are_recorded(small_text, tmp_path):
+    over = run_flags(small_text, tmp_path, device="cuda", timing_debug=True, profile_windows=2, max_windows=8, log_every_windows=4,
+                     cleanup_every=1, cleanup_threshold=0.01)
+    Trainer(build_config([("test", over)]), log=lambda s: None).train()
+    rows = read_telemetry(tmp_path / "t" / "telemetry.jsonl")
+    assert all(r["time_free_ms"] > 0 and r["time_nudged_ms"] > 0 and r["mem_reserved_mib"] > 0 for r in rows)
+    assert rows[-1]["cache_cleanups"] >= 1  # the threshold is low, so the rule holds at every check
+    assert "top operators by self device time" in (tmp_path / "t" / "profile_top_ops.txt").read_text()
