@@ -16,6 +16,7 @@ from typing import Any, Callable, Literal
 from trainer2.checkpoint import CheckpointError, fresh_run_guard, read_meta, resume_config
 from trainer2.config import ConfigError, TrainConfig, build_config, preset_path, read_yaml
 from trainer2.data import DataError
+from trainer2.plot import cmd_plot
 
 
 def _none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -119,7 +120,7 @@ def cmd_evaluate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate}
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,6 +95,9 @@ class TrainConfig(BaseModel):
     keep_last: int = Field(3, ge=1, description="Checkpoints kept per run; older ones are pruned.")
     step_progress_every: int = Field(0, ge=0, description="Report progress inside a window every K steps (eager only); 0 = off.")
     timing_debug: bool = Field(False, description="Time each phase of every window and print a table.")
+    profile_windows: int = Field(0, ge=0, description="torch.profiler trace of this many windows after warm-up, into the run directory; 0 = off.")
+    cleanup_every: int = Field(50, ge=1, description="Windows between checks of the CUDA cache (CUDA only).")
+    cleanup_threshold: float = Field(0.9, gt=0.0, le=1.0, description="Empty the CUDA cache when allocated/reserved memory exceeds this ratio.")
 
     @field_validator("device")
     @classmethod

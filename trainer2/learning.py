@@ -7,6 +7,8 @@ hand-written heavy-ball rule over all tensors with torch._foreach_* ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +130,11 @@ class Learner:
             power_vecs=[torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=like.dtype, device=like.device), dim=0) for w in couplings(machine)],
         )
         self.metrics = torch.zeros(len(METRICS), dtype=like.dtype, device=like.device)
+        # Observability hooks (trainer2.telemetry): a timed/labelled context per phase, and progress
+        # inside a window, on_steps(phase, step, steps, spd_last, lior), every progress_every steps.
+        self.phase: Callable[[str], AbstractContextManager[None]] = lambda name: nullcontext()
+        self.progress_every = 0
+        self.on_steps: Callable[[str, int, int, float, float], None] | None = None
 
     # --- phases ---
 
@@ -146,45 +153,66 @@ class Learner:
         input_drive(x, m.energy, ws.drive)
         ws.state.zero_()
         ws.obs.zero_()
-        run_window(ws, m.energy, frame, 0.0, cfg.tbptt_window_steps, self.integ, cfg.eps)
+        self.relax(frame, 0.0, cfg.tbptt_window_steps, "free")
         self.s0.copy_(ws.state)
         return x, frame, cand
 
     def nudged_phase(self, frame: ReadoutFrame, beta: float, out: Phase) -> None:
         """Relax T_nudge steps from s0 on E + beta * loss; the result goes to `out`."""
         self.ws.state.copy_(self.s0)
-        run_window(self.ws, self.m.energy, frame, beta, self.cfg.nudge_steps, self.integ, self.cfg.eps)
+        self.relax(frame, beta, self.cfg.nudge_steps, "nudged")
         out.copy_(self.ws.state)
+
+    def relax(self, frame: ReadoutFrame, beta: float, steps: int, name: str) -> None:
+        """run_window for `steps` steps; with on_steps set, in chunks of progress_every steps, each followed
+        by one transfer of [spd_last mean, lior mean] (the chunks give the same result as one window)."""
+        ws, every = self.ws, self.progress_every
+        if self.on_steps is None or every < 1:
+            run_window(ws, self.m.energy, frame, beta, steps, self.integ, self.cfg.eps)
+            return
+        for done in range(0, steps, every):
+            n = min(every, steps - done)
+            run_window(ws, self.m.energy, frame, beta, n, self.integ, self.cfg.eps)
+            spd_last, lior = torch.stack([ws.obs.spd_last.mean(), ws.obs.lior.mean()]).tolist()
+            self.on_steps(name, done + n, steps, spd_last, lior)
 
     # --- gradients and update ---
 
     def grads(self, inputs: Tensor, targets: Tensor) -> StepResult:
         """Run the free and nudged phases and form every parameter's gradient."""
         cfg, m, ws = self.cfg, self.m, self.ws
-        x, frame, cand = self.free_phase(inputs, targets)
-        obs = ws.obs
-        free_obs = torch.stack([obs.lior.mean(), obs.spd.mean() / cfg.tbptt_window_steps, obs.spd_last.mean(), obs.r_sum / cfg.tbptt_window_steps])
-        obs.zero_()
-        self.nudged_phase(frame, cfg.beta_nudge, self.s_plus)
-        if cfg.symmetric_nudge:
-            self.nudged_phase(frame, -cfg.beta_nudge, self.s_minus)
-            s_minus, b, phases = self.s_minus, 2 * cfg.beta_nudge, 2
-        else:
-            s_minus, b, phases = self.s0, cfg.beta_nudge, 1
-        gw, gb, gx = coupling_grads(self.s_plus.s, s_minus.s, x, m.energy, 1.0 / (b * self.batch))
-        res = readout_loss_and_grads(self.s0.s[-1], frame, cand, targets, m.num_classes, m.layout, m.readout.theta)
-        r = res.grads
-        grads: list[Tensor] = []
-        if m.emb is not None:
-            grads.append(torch.zeros_like(m.emb).index_add_(0, inputs.flatten(), gx.reshape(-1, m.emb.shape[1])))
-        for w, bias in zip(gw, gb):
-            grads += [w, bias]
-        grads += [r.g_diag, r.theta, r.protos, r.r_sc]
-        return StepResult(grads, res.loss, res.probs, torch.cat([free_obs, (obs.lior.mean() / phases)[None]]))
+        with self.phase("free"):
+            x, frame, cand = self.free_phase(inputs, targets)
+            obs = ws.obs
+            free_obs = torch.stack([obs.lior.mean(), obs.spd.mean() / cfg.tbptt_window_steps, obs.spd_last.mean(), obs.r_sum / cfg.tbptt_window_steps])
+            obs.zero_()
+        with self.phase("nudged"):
+            self.nudged_phase(frame, cfg.beta_nudge, self.s_plus)
+            if cfg.symmetric_nudge:
+                self.nudged_phase(frame, -cfg.beta_nudge, self.s_minus)
+                s_minus, b, phases = self.s_minus, 2 * cfg.beta_nudge, 2
+            else:
+                s_minus, b, phases = self.s0, cfg.beta_nudge, 1
+        with self.phase("update"):  # forming the gradients counts as part of the update
+            gw, gb, gx = coupling_grads(self.s_plus.s, s_minus.s, x, m.energy, 1.0 / (b * self.batch))
+            res = readout_loss_and_grads(self.s0.s[-1], frame, cand, targets, m.num_classes, m.layout, m.readout.theta)
+            r = res.grads
+            grads: list[Tensor] = []
+            if m.emb is not None:
+                grads.append(torch.zeros_like(m.emb).index_add_(0, inputs.flatten(), gx.reshape(-1, m.emb.shape[1])))
+            for w, bias in zip(gw, gb):
+                grads += [w, bias]
+            grads += [r.g_diag, r.theta, r.protos, r.r_sc]
+            return StepResult(grads, res.loss, res.probs, torch.cat([free_obs, (obs.lior.mean() / phases)[None]]))
 
     def step(self, inputs: Tensor, targets: Tensor) -> None:
         """The whole batch step: free phase, nudged phase(s), update, constraints, memory write, metrics."""
         out = self.grads(inputs, targets)
+        with self.phase("update"):
+            self.apply_update(out, targets)
+
+    def apply_update(self, out: StepResult, targets: Tensor) -> None:
+        """The update, constraints, memory write and metric accumulation of one batch step."""
         params = list(self.m.named_params().values())
         ok, norms = foreach_update(params, out.grads, self.update, self.mults, self.decay, self.cfg)
         project_constraints(self.m, self.cfg, self.update.power_vecs)

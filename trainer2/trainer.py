@@ -17,6 +17,7 @@ from trainer2.data import Dataset, Sampler, heldout_batches, load_dataset
 from trainer2.learning import METRICS, Learner
 from trainer2.machine import Machine, build_machine
 from trainer2.memory import MemoryBank
+from trainer2.telemetry import Monitor
 
 EVAL_BATCH = 512
 
@@ -72,6 +73,8 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self._eval_learners: dict[int, Learner] = {}
         self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
+        self.monitor = Monitor(cfg, self.device, self.run_dir, eager=not (self.graphs or cfg.use_torch_compile), log=log)
+        self._interval = (time.perf_counter(), 0)  # (clock, window) where the current log interval began
 
     # --- sizes ---
 
@@ -99,45 +102,64 @@ class Trainer:
         bar = tqdm(total=total, initial=self.progress.window, desc=cfg.run_name, unit="win", dynamic_ncols=True, mininterval=1.0)
         if not bar.disable and not getattr(bar.fp, "isatty", lambda: False)():
             bar.mininterval = bar.maxinterval = 30.0  # in a pipe or CI: a line every 30 s, not a flood
+        mon = self.monitor
+        mon.attach(self.learner, bar)
+        mon.start(self.progress.window)
         start = time.perf_counter() - self.progress.wall_seconds
+        self._interval = (time.perf_counter(), self.progress.window)
         while self.progress.window < total:
             w = self.progress.window
+            mon.before_window(w)
             self.learner.update.lr.fill_(lr_at(cfg, w, total))
-            inputs, targets = self.next_batch()
-            self.learner.step(inputs, targets)
+            with mon.phase("data"):
+                inputs, targets = self.next_batch()
+            with mon.step_phase():
+                self.learner.step(inputs, targets)
             self.progress.window += 1
             self.progress.examples += cfg.batch_size
             bar.update(1)
             done = self.progress.window == total
             if self.progress.window % cfg.log_every_windows == 0 or done:
-                row = self.sync_metrics()
+                with mon.phase("logging"):
+                    row = self.sync_metrics()
                 if (cfg.eval_every_windows and self.progress.window % cfg.eval_every_windows == 0) or done:
                     row.update(self.evaluate())
                 self.progress.wall_seconds = time.perf_counter() - start
                 row["wall_seconds"] = self.progress.wall_seconds
+                self._interval = (time.perf_counter(), self.progress.window)  # evaluation stays out of windows/s
+                mon.record(row)
                 self.history.append(row)
                 bar.set_postfix(self.postfix(row), refresh=False)
             if cfg.save_every_windows and self.progress.window % cfg.save_every_windows == 0 and not done:
                 self.progress.wall_seconds = time.perf_counter() - start
                 self.save_checkpoint()
+            mon.after_window(self.progress.window)
         bar.close()
+        mon.close()
         self.progress.wall_seconds = time.perf_counter() - start
         self.save_checkpoint()
         return self.save_summary()
 
     def sync_metrics(self) -> dict[str, float]:
         """One device-to-host transfer of every accumulated metric, then reset the accumulators."""
-        vals = dict(zip(METRICS, self.learner.metrics.tolist()))
+        upd = self.learner.update
+        *values, lr, dropped_total = torch.cat([self.learner.metrics, upd.lr.reshape(1), upd.dropped.reshape(1)]).tolist()
+        vals = dict(zip(METRICS, values))
         self.learner.metrics.zero_()
         wins, ex = max(vals["windows"], 1.0), max(vals["examples"], 1.0)
         loss = vals["loss_sum"] / ex
         row = {"window": float(self.progress.window), "examples": float(self.progress.examples),
                "epoch": self.progress.window / self.sampler.batches_per_epoch,
                "train_loss": loss, "train_bpc": loss / math.log(2), "train_acc": vals["correct_sum"] / ex,
-               "lr": float(self.learner.update.lr), "dropped_total": float(self.learner.update.dropped)}
+               "lr": lr, "dropped_total": dropped_total}
         for k in ("lior_free", "spd_free", "spd_last", "lior_nudge", "r_mean", "dropped",
                   "update_norm_energy", "update_norm_readout", "update_norm_embed"):
             row[k] = vals[k] / wins
+        # The observables under the names of the design notes, and the nudge's extra path length.
+        row.update(lior_mean=row["lior_free"], R_mean=row["r_mean"], spd_mean=row["spd_free"],
+                   lior_diff=row["lior_nudge"] - row["lior_free"])
+        t0, w0 = self._interval
+        row["windows_per_second"] = (self.progress.window - w0) / max(time.perf_counter() - t0, 1e-9)
         return row
 
     @staticmethod

@@ -1,0 +1,263 @@
+"""Observability: telemetry.jsonl, phase timing and the profiler trace, cache cleanup, step progress, plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tqdm import tqdm
+
+from tiny import tiny_batch, tiny_config, tiny_machine
+from trainer2.cli import main
+from trainer2.config import ConfigError, build_config, preset_path, read_yaml
+from trainer2.learning import Learner
+from trainer2.profiling import PHASES, PhaseTimer
+from trainer2.telemetry import CacheCleaner, Monitor, Telemetry, TelemetryError, read_telemetry, should_cleanup
+from trainer2.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+ROW_KEYS = {
+    "window", "epoch", "examples", "train_loss", "train_bpc", "lior_mean", "R_mean", "spd_mean", "spd_last", "lior_diff",
+    "update_norm_energy", "update_norm_readout", "update_norm_embed", "dropped", "dropped_total", "lr",
+    "windows_per_second", "mem_allocated_mib", "mem_reserved_mib", "cache_cleanups",
+}
+HELDOUT_KEYS = {"heldout_loss", "heldout_bpc", "heldout_acc"}
+
+
+def run_flags(data: Path, ck: Path, **over) -> dict:
+    """A tiny, fast text run (float64 not needed: these tests check records, not numerics)."""
+    flags = dict(data=str(data), checkpoint_dir=str(ck), run_name="t", hidden_sizes=[8], coord_dim_n=4, rotor_k=3,
+                 context_len=3, embed_dim=3, batch_size=8, tbptt_window_steps=6, nudge_steps=3, max_windows=6,
+                 log_every_windows=2, eval_every_windows=4, eval_batches=1)
+    flags.update(over)
+    return flags
+
+
+def test_telemetry_has_one_json_line_per_interval_with_the_keys(small_text, tmp_path):
+    cfg = build_config([("test", run_flags(small_text, tmp_path, timing_debug=True))])
+    trainer = Trainer(cfg, log=lambda s: None)
+    trainer.train()
+    run_dir = tmp_path / "t"
+    lines = (run_dir / "telemetry.jsonl").read_text().split("\n")
+    assert lines[-1] == "" and len(lines) == 4  # three intervals, each a whole line
+    rows = [json.loads(line) for line in lines[:-1]]
+    assert [r["window"] for r in rows] == [2, 4, 6]
+    assert [r["examples"] for r in rows] == [16, 32, 48]
+    for r in rows:
+        assert ROW_KEYS <= r.keys(), ROW_KEYS - r.keys()
+        assert {f"time_{p}_ms" for p in PHASES} <= r.keys()
+        assert all(r[f"time_{p}_ms"] > 0 for p in ("data", "free", "nudged", "update"))
+        assert r["lior_diff"] == pytest.approx(r["lior_nudge"] - r["lior_free"])
+        assert r["train_bpc"] == pytest.approx(r["train_loss"] / math.log(2))
+        assert r["lr"] == pytest.approx(cfg.eta_update) and r["windows_per_second"] > 0
+        assert r["mem_allocated_mib"] is None and r["cache_cleanups"] == 0  # CPU: no CUDA allocator
+    assert [HELDOUT_KEYS <= r.keys() for r in rows] == [False, True, True]  # eval at 4 and at the end
+    assert rows == json.loads(json.dumps(trainer.history))  # the file is the run's history
+    # config.yaml is the resolved config and rebuilds it exactly
+    assert build_config([("saved", read_yaml(run_dir / "config.yaml"))]) == cfg
+
+
+def test_a_log_interval_reads_the_device_once(small_text, tmp_path, monkeypatch):
+    cfg = build_config([("test", run_flags(small_text, tmp_path, timing_debug=True))])
+    trainer = Trainer(cfg, log=lambda s: None)
+    trainer.monitor.start(0)
+    for _ in range(2):
+        trainer.learner.step(*trainer.next_batch())
+        trainer.progress.window += 1
+    reads = []
+    for name in ("tolist", "item", "__float__", "__int__", "__bool__", "numpy"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    row = trainer.sync_metrics()
+    trainer.monitor.record(row)
+    monkeypatch.undo()
+    trainer.monitor.close()
+    assert reads == ["tolist"]
+    assert row["window"] == 2 and row["dropped_total"] == 0.0 and row["lr"] == pytest.approx(cfg.eta_update)
+
+
+def test_a_killed_run_leaves_only_whole_lines(small_text, tmp_path):
+    flags = run_flags(small_text, tmp_path, max_windows=100000, log_every_windows=1, eval_every_windows=0)
+    argv = [sys.executable, str(ROOT / "main.py")]
+    for k, v in flags.items():
+        argv += [f"--{k}", *map(str, v if isinstance(v, list) else [v])]
+    path = tmp_path / "t" / "telemetry.jsonl"
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (path.exists() and path.read_text().count("\n") >= 5):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the run wrote no telemetry"
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+    text = path.read_text()
+    assert text.endswith("\n")
+    windows = [json.loads(line)["window"] for line in text.splitlines()]
+    assert windows == list(range(1, len(windows) + 1))
+
+
+def test_telemetry_appends_and_stores_non_finite_values_as_null(tmp_path):
+    cfg = tiny_config()
+    t = Telemetry(tmp_path, cfg)
+    t.write({"window": 1, "train_loss": float("nan"), "lr": float("inf")})
+    t.close()
+    t = Telemetry(tmp_path, cfg)  # a resumed run continues the file
+    t.write({"window": 2, "train_loss": 1.5, "lr": 0.1})
+    t.close()
+    rows = read_telemetry(tmp_path / "telemetry.jsonl")
+    assert rows == [{"window": 1, "train_loss": None, "lr": None}, {"window": 2, "train_loss": 1.5, "lr": 0.1}]
+
+
+def test_read_telemetry_skips_a_torn_last_line_and_refuses_a_bad_one(tmp_path):
+    path = tmp_path / "telemetry.jsonl"
+    path.write_text('{"window": 1}\n{"window": 2}\n{"wind')
+    assert read_telemetry(path) == [{"window": 1}, {"window": 2}]
+    path.write_text('{"window": 1}\nnot json\n')
+    with pytest.raises(TelemetryError, match="line 2 is not valid JSON"):
+        read_telemetry(path)
+    with pytest.raises(TelemetryError, match="no such file"):
+        read_telemetry(tmp_path / "missing.jsonl")
+
+
+def test_profiling_preset_writes_a_trace_that_names_every_phase(small_text, tmp_path, capsys):
+    preset = read_yaml(preset_path("profiling"))
+    assert preset["timing_debug"] and preset["profile_windows"] > 0
+    over = run_flags(small_text, tmp_path, run_name="profiling", max_windows=9, log_every_windows=4, profile_windows=4)
+    cfg = build_config([("preset profiling", preset), ("test", over)])
+    Trainer(cfg, log=lambda s: None).train()
+    run_dir = tmp_path / "profiling"
+    trace = json.loads((run_dir / "profile_trace.json").read_text())
+    names = {e.get("name") for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)}
+    assert {f"phase/{p}" for p in PHASES} <= names
+    top = (run_dir / "profile_top_ops.txt").read_text()
+    assert "top operators by self CPU time" in top and "aten::" in top
+    out = capsys.readouterr().out
+    assert out.count("timing @ window") == 3  # windows 4, 8 and the end (9)
+    assert all(p in out for p in PHASES)
+
+
+@pytest.mark.parametrize(("allocated", "reserved", "fires"), [(95, 100, True), (90, 100, False), (50, 100, False), (0, 0, False)])
+def test_cleanup_rule_fires_only_above_the_threshold(allocated, reserved, fires):
+    assert should_cleanup(allocated, reserved, 0.9) is fires
+
+
+def test_cache_cleaner_checks_every_n_windows_and_counts():
+    stats = iter([(95, 100), (50, 100), (99, 100)])
+    emptied = []
+    cleaner = CacheCleaner(every=3, threshold=0.9, stats=lambda: next(stats), empty=lambda: emptied.append(1))
+    fired = [cleaner.after_window(w) for w in range(1, 10)]
+    assert fired == [False, False, True, False, False, False, False, False, True]  # 95% at 3, 50% at 6, 99% at 9
+    assert cleaner.fired == len(emptied) == 2
+    assert CacheCleaner.for_device(tiny_config(), torch.device("cpu")) is None
+
+
+def test_cleanup_threshold_outside_0_1_is_refused():
+    with pytest.raises(ConfigError, match="cleanup_threshold"):
+        build_config([("command line", {"cleanup_threshold": 1.5})])
+
+
+def test_step_progress_and_phase_timing_leave_the_result_unchanged():
+    cfg = tiny_config(tbptt_window_steps=8, nudge_steps=4)
+    plain, watched = tiny_machine(cfg), tiny_machine(cfg)
+    calls, timer = [], PhaseTimer(torch.device("cpu"), timing=True)
+    a, b = Learner(plain, cfg, cfg.batch_size), Learner(watched, cfg, cfg.batch_size)
+    b.phase, b.progress_every, b.on_steps = timer.phase, 3, lambda *args: calls.append(args)
+    with torch.no_grad():
+        for seed in (1, 2):
+            batch = tiny_batch(cfg, seed=seed)
+            a.step(*batch)
+            b.step(*batch)
+    for (name, p), q in zip(plain.named_params().items(), watched.named_params().values()):
+        assert torch.equal(p, q), name
+    assert torch.equal(a.metrics, b.metrics)
+    one = [c[:3] for c in calls[: len(calls) // 2]]
+    assert one == [("free", 3, 8), ("free", 6, 8), ("free", 8, 8)] + [("nudged", 3, 4), ("nudged", 4, 4)] * 2
+    assert all(math.isfinite(c[3]) and c[4] >= 0 for c in calls)
+    times = timer.collect(2)
+    assert all(times[f"time_{p}_ms"] > 0 for p in ("free", "nudged", "update"))
+
+
+def test_a_step_that_is_not_eager_is_timed_whole_and_reports_progress_at_window_boundaries(tmp_path):
+    cfg = tiny_config(step_progress_every=4, timing_debug=True, tbptt_window_steps=8, nudge_steps=4)
+    learner = Learner(tiny_machine(cfg), cfg, cfg.batch_size)
+    said = []
+    mon = Monitor(cfg, torch.device("cpu"), tmp_path, eager=False, log=said.append)
+    mon.attach(learner, bar=None)  # as with CUDA graphs or torch.compile: nothing may run inside the step
+    assert learner.on_steps is None and learner.phase != mon.timer.phase
+    assert len(said) == 1 and "window boundaries" in said[0]
+    with torch.no_grad(), mon.step_phase():
+        learner.step(*tiny_batch(cfg))
+    times = mon.timer.collect(1)
+    assert list(times) == ["time_step_ms"] and times["time_step_ms"] > 0
+
+
+def test_progress_bar_in_a_pipe_does_not_flood(small_text, tmp_path, capsys, monkeypatch):
+    bars = []
+
+    class Spy(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr("trainer2.trainer.tqdm", Spy)
+    cfg = build_config([("test", run_flags(small_text, tmp_path, max_windows=40, log_every_windows=1, eval_every_windows=0,
+                                           step_progress_every=2))])
+    Trainer(cfg, log=lambda s: None).train()
+    err = capsys.readouterr().err  # pytest's capture is not a TTY
+    assert bars[0].mininterval >= 30  # step progress refreshes no more often than this either
+    assert err.count("\r") + err.count("\n") <= 4, err
+
+
+def write_rows(path: Path, n: int) -> None:
+    rows = [{"window": w, "train_bpc": 5 - w / 10, "train_acc": w / 20, "lior_mean": 2.0, "spd_mean": 0.1, "spd_last": 1e-3,
+             "windows_per_second": 10.0, "time_free_ms": 3.0, "time_nudged_ms": 2.0} for w in range(1, n + 1)]
+    rows[-1].update(heldout_bpc=4.0, heldout_acc=0.3)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_plot_writes_pngs_from_a_small_telemetry_file(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    write_rows(tmp_path / "telemetry.jsonl", 5)
+    assert main(["plot", str(tmp_path)]) == 0
+    pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+    assert pngs == ["accuracy.png", "bpc.png", "lior_spd.png", "speed.png", "timing.png"]
+    assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    assert "bpc.png" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path, capsys, monkeypatch):
+    write_rows(tmp_path / "telemetry.jsonl", 2)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "pip install 'trainer2[plot]'" in capsys.readouterr().err
+
+
+def test_plot_refuses_a_directory_without_telemetry(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "telemetry.jsonl: no such file" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_phases_are_timed_with_events_and_memory_and_device_ops_are_recorded(small_text, tmp_path):
+    over = run_flags(small_text, tmp_path, device="cuda", timing_debug=True, profile_windows=2, max_windows=8, log_every_windows=4,
+                     cleanup_every=1, cleanup_threshold=0.01)
+    Trainer(build_config([("test", over)]), log=lambda s: None).train()
+    rows = read_telemetry(tmp_path / "t" / "telemetry.jsonl")
+    assert all(r["time_free_ms"] > 0 and r["time_nudged_ms"] > 0 and r["mem_reserved_mib"] > 0 for r in rows)
+    assert rows[-1]["cache_cleanups"] >= 1  # the threshold is low, so the rule holds at every check
+    assert "top operators by self device time" in (tmp_path / "t" / "profile_top_ops.txt").read_text()
