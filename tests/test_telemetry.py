@@ -55,7 +55,7 @@ def test_telemetry_has_one_json_line_per_interval_with_the_keys(small_text, tmp_
         assert ROW_KEYS <= r.keys(), ROW_KEYS - r.keys()
         assert {f"time_{p}_ms" for p in PHASES} <= r.keys()
         assert all(r[f"time_{p}_ms"] > 0 for p in ("data", "free", "nudged", "update"))
-        assert r["lior_diff"] == pytest.approx(r["lior_nudge"] - r["lior_free"])
+        assert r["lior_diff"] == pytest.approx(r["lior_nudge"] - r["lior_mean"])
         assert r["train_bpc"] == pytest.approx(r["train_loss"] / math.log(2))
         assert r["lr"] == pytest.approx(cfg.eta_update) and r["windows_per_second"] > 0
         assert r["mem_allocated_mib"] is None and r["cache_cleanups"] == 0  # CPU: no CUDA allocator

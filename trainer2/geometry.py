@@ -110,7 +110,7 @@ class ReadoutFrame:
     gzc_t: Tensor  # (n, K) (g * zc)^T, for the cross term
     cc: Tensor  # (K,) g(c_k, c_k) + eps
     bias: Tensor  # (K,) logit bias (0 or -inf)
-    scale: Tensor  # 0-dim retrieval_beta * R_sc
+    neg_scale: Tensor  # 0-dim -retrieval_beta * R_sc, the logit per unit of spd
     r_sc: Tensor  # 0-dim
     beta_r: float
 
@@ -121,7 +121,7 @@ def readout_frame(p: ReadoutParams, cand: Candidates, layout: RotorLayout, beta_
     zc = cand.coords @ rot.T
     gzc = zc * p.g_diag
     cc = (gzc * zc).sum(-1) + eps
-    return ReadoutFrame(rot, p.g_diag, zc, gzc.T.contiguous(), cc, cand.bias, beta_r * p.r_sc, p.r_sc, beta_r)
+    return ReadoutFrame(rot, p.g_diag, zc, gzc.T.contiguous(), cc, cand.bias, -beta_r * p.r_sc, p.r_sc, beta_r)
 
 
 @dataclass
@@ -157,7 +157,7 @@ def readout_weights(q: Tensor, f: ReadoutFrame, target_mask: Tensor, sc: Readout
     torch.sum(sc.tmp, dim=1, keepdim=True, out=sc.col)
     sc.spd.add_(sc.col).add_(f.cc).clamp_(min=0.0).sqrt_()  # cc carries +eps, so spd >= sqrt(eps)
     # pi = softmax(-scale * spd + bias), stabilised by the row max; empty slots (bias -inf) get 0.
-    torch.mul(sc.spd, -f.scale, out=sc.pi).add_(f.bias)
+    torch.mul(sc.spd, f.neg_scale, out=sc.pi).add_(f.bias)
     torch.amax(sc.pi, dim=1, keepdim=True, out=sc.col)
     sc.pi.sub_(sc.col).exp_()
     torch.sum(sc.pi, dim=1, keepdim=True, out=sc.col)

@@ -23,15 +23,15 @@ from trainer2.window import Integrator, Phase, Workspace, run_window
 
 # Per-window metrics, accumulated on the device and synced once per log interval.
 METRICS = (
-    "windows", "examples", "loss_sum", "correct_sum", "lior_free", "spd_free", "spd_last", "lior_nudge",
-    "r_mean", "dropped", "update_norm_energy", "update_norm_readout", "update_norm_embed",
+    "windows", "examples", "loss_sum", "correct_sum", "lior_mean", "spd_mean", "spd_last", "lior_nudge",
+    "R_mean", "dropped", "update_norm_energy", "update_norm_readout", "update_norm_embed",
 )
 
 
 @dataclass
 class StepResult:
     """What the phases of one batch give: a gradient per named parameter, per-example loss (B,) in nats,
-    class probabilities (B, V) and the window observables [lior_free, spd_free, spd_last, r_mean, lior_nudge]."""
+    class probabilities (B, V) and the window observables [lior_mean, spd_mean, spd_last, R_mean, lior_nudge] (free phase but lior_nudge)."""
 
     grads: list[Tensor]
     loss: Tensor
@@ -223,9 +223,9 @@ class Learner:
         for g, nrm in zip(self.group_of, norms):
             sq[g] = sq[g] + nrm * nrm
         correct = (out.probs.argmax(1) == targets).to(out.loss.dtype).sum()
-        lior_free, spd_free, spd_last, r_mean, lior_nudge = out.obs.unbind()
+        lior_mean, spd_mean, spd_last, r_mean, lior_nudge = out.obs.unbind()
         self.metrics.add_(torch.stack([
-            zero + 1, zero + self.batch, out.loss.sum(), correct, lior_free, spd_free, spd_last, lior_nudge,
+            zero + 1, zero + self.batch, out.loss.sum(), correct, lior_mean, spd_mean, spd_last, lior_nudge,
             r_mean, 1.0 - ok, sq["energy"].sqrt(), sq["readout"].sqrt(), sq["embed"].sqrt(),
         ]))
 

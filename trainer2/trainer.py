@@ -152,12 +152,10 @@ class Trainer:
                "epoch": self.progress.window / self.sampler.batches_per_epoch,
                "train_loss": loss, "train_bpc": loss / math.log(2), "train_acc": vals["correct_sum"] / ex,
                "lr": lr, "dropped_total": dropped_total}
-        for k in ("lior_free", "spd_free", "spd_last", "lior_nudge", "r_mean", "dropped",
+        for k in ("lior_mean", "spd_mean", "spd_last", "lior_nudge", "R_mean", "dropped",
                   "update_norm_energy", "update_norm_readout", "update_norm_embed"):
             row[k] = vals[k] / wins
-        # The observables under the names of the design notes, and the nudge's extra path length.
-        row.update(lior_mean=row["lior_free"], R_mean=row["r_mean"], spd_mean=row["spd_free"],
-                   lior_diff=row["lior_nudge"] - row["lior_free"])
+        row["lior_diff"] = row["lior_nudge"] - row["lior_mean"]  # the nudge's extra path length
         t0, w0 = self._interval
         row["windows_per_second"] = (self.progress.window - w0) / max(time.perf_counter() - t0, 1e-9)
         return row
@@ -165,7 +163,7 @@ class Trainer:
     @staticmethod
     def postfix(row: dict[str, float]) -> dict[str, str]:
         out = {"loss": f"{row['train_loss']:.3f}", "bpc": f"{row['train_bpc']:.3f}", "acc": f"{row['train_acc']:.3f}",
-               "lior": f"{row['lior_free']:.3g}", "spd": f"{row['spd_last']:.2g}"}
+               "lior": f"{row['lior_mean']:.3g}", "spd": f"{row['spd_last']:.2g}"}
         if "heldout_bpc" in row:
             out["val_bpc"] = f"{row['heldout_bpc']:.3f}"
         return out
