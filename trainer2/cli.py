@@ -76,15 +76,21 @@ def cmd_train(argv: list[str]) -> int:
     from trainer2.trainer import Trainer
 
     summary = Trainer(cfg).train()
+    score = f"bpc {summary['heldout_bpc']:.3f}" if "heldout_bpc" in summary else f"loss {summary['heldout_loss']:.3f} nats/example"
     print(
         f"done: {summary['windows']} windows, {summary['examples_seen']} examples in {summary['wall_seconds']:.1f}s "
-        f"({summary['windows_per_second']:.2f} win/s); held-out bpc {summary['heldout_bpc']:.3f}, "
-        f"acc {summary['heldout_acc']:.3f}"
+        f"({summary['windows_per_second']:.2f} win/s); held-out {score}, acc {summary['heldout_acc']:.3f}"
     )
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train}
+def cmd_sample(argv: list[str]) -> int:
+    from trainer2.sampling import cmd_sample as run
+
+    return run(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "sample": cmd_sample}
 
 
 def main(argv: list[str] | None = None) -> int:
