@@ -8,14 +8,18 @@ characters come back to the host once, at the end.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from trainer2.config import ConfigError
+from trainer2.config import ConfigError, TrainConfig
 from trainer2.data import encode
 from trainer2.geometry import readout_weights
 from trainer2.learning import Learner
+
+if TYPE_CHECKING:
+    from trainer2.trainer import Trainer
 
 
 def pad_char(vocab: list[str]) -> str:
@@ -74,8 +78,10 @@ def sample_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_for_inference(path: str):
-    """(cfg, trainer, vocab) of a checkpoint: the seam to trainer2.checkpoint, which is built separately."""
+def load_for_inference(path: str) -> tuple[TrainConfig, Trainer, list[str]]:
+    """(cfg, trainer with parameters and memory bank restored, vocabulary) of a checkpoint directory.
+
+    The seam to trainer2.checkpoint, which is built separately; vocab is [] for a feature model."""
     try:
         from trainer2.checkpoint import load_for_inference as load
     except ImportError:
