@@ -219,6 +219,7 @@ BAD_NPZ = [
     ("negative", {"x": np.zeros((4, 2)), "y": np.array([0, 1, -3, 2])}, ">= 0.*-3"),
     ("nan", {"x": np.array([[0.0, 1.0], [2.0, np.nan]] * 2), "y": np.zeros(4, dtype=np.int64)}, "finite.*nan.*row 1"),
     ("inf", {"x": np.array([[0.0, 1.0], [2.0, 3.0], [np.inf, 0.0]]), "y": np.zeros(3, dtype=np.int64)}, "finite.*inf"),
+    ("sparse_label", {"x": np.zeros((4, 2)), "y": np.array([0, 1, 9, 2])}, r"0\.\.K-1 with K <= N = 4.*found label 9"),
     ("one_row", {"x": np.zeros((1, 2)), "y": np.zeros(1, dtype=np.int64)}, "at least 2 rows.*found 1"),
 ]
 

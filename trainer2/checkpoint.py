@@ -333,3 +333,18 @@ def fresh_run_guard(cfg: TrainConfig) -> None:
     if found:
         raise CheckpointError(f"run {cfg.run_name!r} already has checkpoints (newest {found[-1]}): pass --resume latest "
                               "to continue it, or a new --run_name to start another run")
+
+
+def load_for_inference(path: str | Path, overrides: dict[str, Any] | None = None) -> "Trainer":
+    """A Trainer restored from checkpoint directory `path`, for evaluation or sampling; `overrides` may set
+    run-steering fields such as device or eval_batches. Progress messages go to stderr."""
+    import sys
+
+    from trainer2.trainer import Trainer
+
+    path = Path(path)
+    meta = read_meta(path)
+    cfg = build_config([(f"checkpoint {path}", meta["config"]), ("command line", overrides or {})])
+    trainer = Trainer(cfg, log=lambda msg: print(msg, file=sys.stderr))
+    trainer.load_checkpoint(path)
+    return trainer

@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from trainer2.checkpoint import CheckpointError, fresh_run_guard, read_meta, resume_config
+from trainer2.checkpoint import CheckpointError, fresh_run_guard, load_for_inference, resume_config
 from trainer2.config import ConfigError, TrainConfig, build_config, preset_path, read_yaml
 from trainer2.data import DataError
 from trainer2.plot import cmd_plot
@@ -93,12 +93,18 @@ def cmd_train(argv: list[str]) -> int:
         fresh_run_guard(cfg)
         trainer = Trainer(cfg)
     summary = trainer.train()
+    score = f"bpc {summary['heldout_bpc']:.3f}" if "heldout_bpc" in summary else f"loss {summary['heldout_loss']:.3f} nats/example"
     print(
         f"done: {summary['windows']} windows, {summary['examples_seen']} examples in {summary['wall_seconds']:.1f}s "
-        f"({summary['windows_per_second']:.2f} win/s); held-out bpc {summary['heldout_bpc']:.3f}, "
-        f"acc {summary['heldout_acc']:.3f}"
+        f"({summary['windows_per_second']:.2f} win/s); held-out {score}, acc {summary['heldout_acc']:.3f}"
     )
     return 0
+
+
+def cmd_sample(argv: list[str]) -> int:
+    from trainer2.sampling import cmd_sample as run
+
+    return run(argv)
 
 
 def cmd_evaluate(argv: list[str]) -> int:
@@ -108,19 +114,14 @@ def cmd_evaluate(argv: list[str]) -> int:
     p.add_argument("--eval_batches", type=_none_or(int), default=argparse.SUPPRESS, metavar="N",
                    help="Held-out batches of 512 to score; none = all (default: the checkpoint's).")
     args = vars(p.parse_args(argv))
-    from trainer2.trainer import Trainer
-
     path = Path(args.pop("checkpoint"))
-    meta = read_meta(path)
-    cfg = build_config([(f"checkpoint {path}", meta["config"]), ("command line", args)])
-    trainer = Trainer(cfg, log=lambda msg: print(msg, file=sys.stderr))
-    trainer.load_checkpoint(path)
+    trainer = load_for_inference(path, args)
     out = {"checkpoint": str(path), "window": trainer.progress.window, **trainer.evaluate()}
     print(json.dumps(out, indent=2))
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate, "plot": cmd_plot}
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate, "plot": cmd_plot, "sample": cmd_sample}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,6 +133,11 @@ class TrainConfig(BaseModel):
                 f"capture_batch_size ({self.capture_batch_size}) must equal batch_size ({self.batch_size}): "
                 "a captured graph replays one batch shape"
             )
+        if 0 < self.memory_capacity < self.batch_size:
+            raise ValueError(
+                f"memory_capacity ({self.memory_capacity}) must be 0 (off) or at least batch_size ({self.batch_size}): "
+                "each window writes one slot per example"
+            )
         if self.max_windows is None and self.max_epochs is None:
             raise ValueError("set max_windows or max_epochs, or the run never ends")
         return self

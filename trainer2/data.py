@@ -63,11 +63,7 @@ class Dataset:
     def encode(self, text: str) -> torch.Tensor:
         """str of length T -> int64 [T] of vocabulary ids (text data sets only)."""
         self._require_text("encode")
-        stoi = {c: i for i, c in enumerate(self.vocab)}
-        unknown = next((c for c in text if c not in stoi), None)
-        if unknown is not None:
-            raise DataError(f"{self.source}: character {unknown!r} is not in the vocabulary")
-        return torch.tensor([stoi[c] for c in text], dtype=torch.int64)
+        return encode(text, self.vocab, self.source)
 
     def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
         """int ids [T] -> str of length T (text data sets only)."""
@@ -77,6 +73,15 @@ class Dataset:
     def _require_text(self, what: str) -> None:
         if self.kind != "text":
             raise DataError(f"{self.source}: {what} needs a text data set, this one is {self.kind!r}")
+
+
+def encode(text: str, vocab: Sequence[str], source: str) -> torch.Tensor:
+    """str of length T -> int64 [T] of ids into `vocab`; an unknown character is a DataError naming it and `source`."""
+    stoi = {c: i for i, c in enumerate(vocab)}
+    unknown = next((c for c in text if c not in stoi), None)
+    if unknown is not None:
+        raise DataError(f"{source}: character {unknown!r} is not in the vocabulary")
+    return torch.tensor([stoi[c] for c in text], dtype=torch.int64)
 
 
 def load_dataset(path: str | None, context_len: int, heldout_fraction: float = 0.1) -> Dataset:
@@ -202,6 +207,12 @@ def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path}: need at least 2 rows (one train, one held-out), found {len(x)}")
     if y.min() < 0:
         raise DataError(f"{path}: labels in y must be >= 0, found {y.min()}")
+    if y.max() >= len(y):
+        # One prototype per class up to the largest label: a sparse label would allocate classes no row has.
+        raise DataError(
+            f"{path}: labels in y must be class indices 0..K-1 with K <= N = {len(y)} rows, found label {y.max()}; "
+            "remap the labels to 0..K-1"
+        )
     finite = np.isfinite(x.astype(np.float32))  # checked after the float32 cast, since that is what trains
     if not finite.all():
         row = int(np.argwhere(~finite)[0, 0])

@@ -41,7 +41,7 @@ class Machine:
     def input_vectors(self, inputs: Tensor) -> Tensor:
         """The clamped input x (B, D): concatenated context embeddings, or the features themselves."""
         if self.emb is None:
-            return inputs
+            return inputs.to(self.readout.protos.dtype)  # feature files load as float32; the machine may be float64
         return self.emb[inputs].flatten(1)
 
     def prototype_candidates(self) -> Candidates:

@@ -45,12 +45,16 @@ class MemoryBank:
         )
 
     def write(self, q: Tensor, labels: Tensor) -> None:
-        """Store q (B, n) with labels (B,) at the next B slots, wrapping around."""
+        """Store q (B, n) with labels (B,) at the next B slots, wrapping around.
+
+        A row of q that is not finite leaves its slot empty (and zeroed): one diverged relaxation must
+        not poison every later retrieval with NaN, and checking per row needs no host sync."""
         idx = (self.offsets + self.ptr).remainder_(self.coords.shape[0])
-        self.coords.index_copy_(0, idx, q)
+        self.coords.index_copy_(0, idx, torch.nan_to_num(q, nan=0.0, posinf=0.0, neginf=0.0))
         self.labels.index_copy_(0, idx, labels)
-        self.filled.index_fill_(0, idx, True)
+        self.filled.index_copy_(0, idx, torch.isfinite(q).all(1))
         self.ptr.add_(q.shape[0]).remainder_(self.coords.shape[0])
 
     def tensors(self) -> dict[str, Tensor]:
+        """The bank's state for a checkpoint, by key; `offsets` is derived from the batch size and not saved."""
         return {"memory.coords": self.coords, "memory.labels": self.labels, "memory.filled": self.filled, "memory.ptr": self.ptr}

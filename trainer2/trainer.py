@@ -75,6 +75,7 @@ class Trainer:
         self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
         self.monitor = Monitor(cfg, self.device, self.run_dir, eager=not (self.graphs or cfg.use_torch_compile), log=log)
         self._interval = (time.perf_counter(), 0)  # (clock, window) where the current log interval began
+        self.text = self.data.kind == "text"  # bits per character only mean something for text
 
     # --- sizes ---
 
@@ -150,8 +151,9 @@ class Trainer:
         loss = vals["loss_sum"] / ex
         row = {"window": float(self.progress.window), "examples": float(self.progress.examples),
                "epoch": self.progress.window / self.sampler.batches_per_epoch,
-               "train_loss": loss, "train_bpc": loss / math.log(2), "train_acc": vals["correct_sum"] / ex,
-               "lr": lr, "dropped_total": dropped_total}
+               "train_loss": loss, "train_acc": vals["correct_sum"] / ex, "lr": lr, "dropped_total": dropped_total}
+        if self.text:
+            row["train_bpc"] = loss / math.log(2)
         for k in ("lior_mean", "spd_mean", "spd_last", "lior_nudge", "R_mean", "dropped",
                   "update_norm_energy", "update_norm_readout", "update_norm_embed"):
             row[k] = vals[k] / wins
@@ -162,10 +164,14 @@ class Trainer:
 
     @staticmethod
     def postfix(row: dict[str, float]) -> dict[str, str]:
-        out = {"loss": f"{row['train_loss']:.3f}", "bpc": f"{row['train_bpc']:.3f}", "acc": f"{row['train_acc']:.3f}",
-               "lior": f"{row['lior_mean']:.3g}", "spd": f"{row['spd_last']:.2g}"}
+        out = {"loss": f"{row['train_loss']:.3f}"}
+        if "train_bpc" in row:
+            out["bpc"] = f"{row['train_bpc']:.3f}"
+        out.update(acc=f"{row['train_acc']:.3f}", lior=f"{row['lior_mean']:.3g}", spd=f"{row['spd_last']:.2g}")
         if "heldout_bpc" in row:
             out["val_bpc"] = f"{row['heldout_bpc']:.3f}"
+        elif "heldout_acc" in row:
+            out["val_acc"] = f"{row['heldout_acc']:.3f}"
         return out
 
     # --- evaluation ---
@@ -177,7 +183,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
-        """Held-out loss (nats), bits per character and accuracy after a free phase; one sync at the end."""
+        """Held-out loss (nats per example), accuracy and, for text, bits per character; one sync at the end."""
         n = self.data.num_examples("heldout")
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -190,7 +196,10 @@ class Trainer:
             count += len(idx)
         loss_v, correct_v = torch.stack([loss, correct]).tolist()
         mean = loss_v / max(count, 1)
-        return {"heldout_loss": mean, "heldout_bpc": mean / math.log(2), "heldout_acc": correct_v / max(count, 1)}
+        out = {"heldout_loss": mean, "heldout_acc": correct_v / max(count, 1)}
+        if self.text:
+            out["heldout_bpc"] = mean / math.log(2)
+        return out
 
     # --- outputs ---
 
@@ -207,10 +216,10 @@ class Trainer:
 
     def save_summary(self) -> dict[str, float]:
         """Write <run_dir>/summary.json and return it; held-out figures come from the last evaluation."""
-        last = next((r for r in reversed(self.history) if "heldout_bpc" in r), None) or self.evaluate()
+        last = next((r for r in reversed(self.history) if "heldout_loss" in r), None) or self.evaluate()
         wall = self.progress.wall_seconds
         summary = {
-            "heldout_bpc": last["heldout_bpc"], "heldout_acc": last["heldout_acc"], "heldout_loss": last["heldout_loss"],
+            **{k: last[k] for k in ("heldout_bpc", "heldout_acc", "heldout_loss") if k in last}, "data_kind": self.data.kind,
             "windows": self.progress.window, "examples_seen": self.progress.examples, "wall_seconds": wall,
             "windows_per_second": self.progress.window / wall if wall > 0 else 0.0,
             "dropped_updates": float(self.learner.update.dropped), "device": str(self.device),

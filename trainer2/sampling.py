@@ -1,0 +1,93 @@
+"""Text generation from a trained machine: one free-phase relaxation per character, then a draw from the readout.
+
+The context is the last context_len characters; a shorter prompt is left-padded with a space (or the
+first vocabulary character when the vocabulary has no space). Sampling stays on the device: the
+characters come back to the host once, at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import Tensor
+
+from trainer2.checkpoint import load_for_inference
+from trainer2.config import ConfigError
+from trainer2.data import encode
+from trainer2.geometry import readout_weights
+from trainer2.learning import Learner
+
+
+
+def pad_char(vocab: list[str]) -> str:
+    """The character a short prompt is left-padded with: a space when the vocabulary has one."""
+    return " " if " " in vocab else vocab[0]
+
+
+@torch.no_grad()
+def next_char_probs(learner: Learner, contexts: Tensor) -> Tensor:
+    """contexts int64 (B, context_len) -> class probabilities (B, V) after a free phase (B = learner.batch)."""
+    # beta = 0 in the free phase, so the targets it takes are never read; zeros stand in.
+    targets = torch.zeros(contexts.shape[0], dtype=torch.long, device=contexts.device)
+    _, frame, cand = learner.free_phase(contexts, targets)
+    sc = learner.ws.readout
+    readout_weights(learner.s0.s[-1], frame, learner.ws.target_mask, sc)
+    probs = torch.zeros(contexts.shape[0], learner.m.num_classes, dtype=sc.pi.dtype, device=sc.pi.device)
+    return probs.index_add_(1, cand.labels, sc.pi)  # p_v sums the weights of every candidate labelled v
+
+
+@torch.no_grad()
+def generate(learner: Learner, vocab: list[str], prompt: str, length: int, temperature: float, seed: int) -> str:
+    """The `length` characters that follow `prompt`. temperature scales the log-probabilities (0 = argmax);
+    draws come from a torch.Generator seeded with `seed`, so a fixed seed gives the same text."""
+    if learner.batch != 1:
+        raise ValueError(f"generate needs a Learner of batch size 1, got {learner.batch}")
+    if length < 0 or temperature < 0:
+        raise ValueError(f"length and temperature must be >= 0, got {length} and {temperature}")
+    ctx_len, device = learner.cfg.context_len, learner.m.readout.protos.device
+    ids = encode(prompt, vocab, "--prompt")
+    ids = torch.cat([encode(pad_char(vocab) * ctx_len, vocab, "pad"), ids])[-ctx_len:].to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = torch.empty(length, dtype=torch.long, device=device)
+    for t in range(length):
+        probs = next_char_probs(learner, ids[None])[0]
+        if temperature == 0:
+            nxt = probs.argmax()
+        else:
+            nxt = torch.multinomial(torch.softmax(probs.log() / temperature, 0), 1, generator=gen)[0]
+        out[t] = nxt
+        ids = torch.cat([ids[1:], nxt[None]])
+    return "".join(vocab[i] for i in out.tolist())
+
+
+def sample_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="trainer2 sample",
+        description="Generate text from a checkpoint: one free-phase relaxation per character, in the checkpoint's own vocabulary.",
+    )
+    p.add_argument("--checkpoint", required=True, help="Checkpoint directory, e.g. checkpoints/dev/step_2000.")
+    p.add_argument("--prompt", default="", help="Text to continue. Only its last context_len characters condition the "
+                   "model; a shorter prompt is left-padded with spaces (or the first vocabulary character when the "
+                   "vocabulary has no space). Every character must be in the checkpoint's vocabulary.")
+    p.add_argument("--length", type=int, default=200, help="Characters to generate (default: 200).")
+    p.add_argument("--temperature", type=float, default=1.0, help="Divides the log-probabilities; 0 = always the most likely character (default: 1.0).")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the sampling generator (default: 0).")
+    p.add_argument("--device", default="cpu", help="Device to run on (default: cpu).")
+    return p
+
+
+def cmd_sample(argv: list[str]) -> int:
+    p = sample_parser()
+    args = p.parse_args(argv)
+    if args.length < 0:
+        p.error(f"--length must be >= 0, got {args.length}")
+    if args.temperature < 0:
+        p.error(f"--temperature must be >= 0, got {args.temperature}")
+    trainer = load_for_inference(args.checkpoint, {"device": args.device})
+    cfg, vocab = trainer.cfg, trainer.data.vocab
+    if not vocab:
+        raise ConfigError(f"--checkpoint {args.checkpoint}: trained on feature data, not text; sample needs a text model")
+    learner = Learner(trainer.machine, cfg, 1, trainer.memory)
+    print(args.prompt + generate(learner, vocab, args.prompt, args.length, args.temperature, args.seed))
+    return 0
