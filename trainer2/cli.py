@@ -84,7 +84,15 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train}
+def cmd_bench(argv: list[str]) -> int:
+    try:
+        from benchmarks.bench import main as bench_main
+    except ImportError as e:
+        raise ConfigError(f"bench needs the source checkout's benchmarks/ package on the path ({e})") from None
+    return bench_main(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
