@@ -38,11 +38,11 @@ def batches(cfg, n: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor
              torch.randint(0, V, (cfg.batch_size,), generator=gen)) for _ in range(n)]
 
 
-def run(step, learner: Learner, data, device: str = "cpu") -> None:
-    """Steps over `data`, changing the learning rate between batches as a schedule does."""
+def run(step, learner: Learner, data, device: str = "cpu", first: int = 0) -> None:
+    """Steps over `data` (batches first, first + 1, ...), changing the learning rate between them as a schedule does."""
     with torch.no_grad():
-        for i, (x, y) in enumerate(data):
-            learner.update.lr.fill_(0.05 * (i + 1) / len(data))
+        for i, (x, y) in enumerate(data, start=first):
+            learner.update.lr.fill_(0.05 / (i + 1))
             step(x.to(device), y.to(device))
 
 
@@ -193,15 +193,18 @@ def test_bench_times_every_mode_in_one_run(small_text):
 
 @needs_cuda
 def test_graph_replay_equals_eager_on_cuda():
-    """Warm-up, capture, then replays fed from host (pinned) batches; lr changes between replays."""
+    """Warm-up, capture, replays fed from host (pinned) batches, lr changing between them; then a recapture."""
     eager, graphed = fresh_learner("cuda", dtype="float32"), fresh_learner("cuda", dtype="float32")
-    data = batches(eager.cfg, 8)
+    data = batches(eager.cfg, 10)
     logs: list[str] = []
     runner = StepRunner(graphed, graphs=True, warmup_steps=2, log=logs.append)
     run(eager.step, eager, [(x.cuda(), y.cuda()) for x, y in data], "cuda")
-    run(runner.step, graphed, data)  # host tensors: staged through pinned memory
+    run(runner.step, graphed, data[:6])  # host tensors: staged through pinned memory
+    first = runner.graph
+    runner.invalidate()
+    run(runner.step, graphed, data[6:], first=6)
     torch.cuda.synchronize()
-    assert logs == [] and runner.mode == "graph" and runner.graph is not None
+    assert logs == [] and runner.mode == "graph" and first is not None and runner.graph not in (None, first)
     assert_same_state(eager, graphed, rtol=1e-4, atol=1e-5)
 
 

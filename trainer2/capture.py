@@ -176,8 +176,9 @@ class StepRunner:
             except Exception as e:
                 if self.compiled_ok:
                     raise  # it compiled and ran before: this is a real error, not a missing toolchain
-                self.log(f"warning: torch.compile of the batch step failed ({reason(e)}); the run goes on without compiling")
                 self.compiled, self.cudagraph_trees = None, False
+                rest = "without compiling" if self.own_graphs else "eagerly"
+                self.log(f"warning: torch.compile of the batch step failed ({reason(e)}); the run goes on {rest}")
         self.learner.step(b.inputs, b.targets)
 
     def _warm_up(self) -> None:
