@@ -101,6 +101,14 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+def cmd_bench(argv: list[str]) -> int:
+    try:
+        from benchmarks.bench import main as bench_main
+    except ImportError as e:
+        raise ConfigError(f"bench needs the source checkout's benchmarks/ package on the path ({e})") from None
+    return bench_main(argv)
+
+
 def cmd_sample(argv: list[str]) -> int:
     from trainer2.sampling import cmd_sample as run
 
@@ -121,7 +129,7 @@ def cmd_evaluate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate, "plot": cmd_plot, "sample": cmd_sample}
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate, "plot": cmd_plot, "sample": cmd_sample, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,6 +81,9 @@ class TrainConfig(BaseModel):
     use_cudagraphs: bool = Field(False, description="Capture the batch step as a CUDA graph and replay it (CUDA only).")
     warmup_steps: int = Field(3, ge=0, description="Eager windows on a side stream before graph capture.")
     use_torch_compile: bool = Field(False, description="Compile the batch step with torch.compile.")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode; 'reduce-overhead' lets torch.compile record CUDA graphs itself "
+        "instead of the runner capturing the compiled step.")
     cudnn_benchmark: bool = Field(False, description="Set torch.backends.cudnn.benchmark.")
     cudnn_deterministic: bool = Field(False, description="Set torch.backends.cudnn.deterministic.")
     allow_tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere and newer GPUs.")

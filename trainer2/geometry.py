@@ -176,6 +176,11 @@ def readout_force(q: Tensor, f: ReadoutFrame, target_mask: Tensor, sc: ReadoutSc
     return torch.mm(sc.tmp, f.rot, out=out)
 
 
+def class_onehot(labels: Tensor, num_classes: int, dtype: torch.dtype) -> Tensor:
+    """(K, V) one-hot of labels (K,); unlike F.one_hot it never reads values back to the host (capturable, compilable)."""
+    return (labels[:, None] == torch.arange(num_classes, device=labels.device)).to(dtype)
+
+
 @dataclass
 class ReadoutResult:
     """Per-example loss (B,) in nats, class probabilities (B, V) and the readout gradients (batch means)."""
@@ -194,7 +199,7 @@ def readout_loss_and_grads(
     Only the first V candidates are prototypes (parameters); the rest (memory bank) are data.
     """
     batch = q.shape[0]
-    onehot = torch.nn.functional.one_hot(cand.labels, num_classes).to(q.dtype)  # (K, V)
+    onehot = class_onehot(cand.labels, num_classes, q.dtype)  # (K, V)
     target_mask = onehot[:, targets].T  # (B, K)
     sc = ReadoutScratch.allocate(batch, q.shape[1], cand.coords.shape[0], q)
     grad_q = readout_force(q, f, target_mask, sc, torch.empty_like(q))

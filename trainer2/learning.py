@@ -16,7 +16,7 @@ from torch import Tensor
 
 from trainer2.config import TrainConfig
 from trainer2.energy import coupling_grads, input_drive
-from trainer2.geometry import Candidates, ReadoutFrame, readout_frame, readout_loss_and_grads
+from trainer2.geometry import Candidates, ReadoutFrame, class_onehot, readout_frame, readout_loss_and_grads
 from trainer2.machine import Machine, couplings, project_constraints
 from trainer2.memory import MemoryBank
 from trainer2.window import Integrator, Phase, Workspace, run_window
@@ -148,7 +148,7 @@ class Learner:
         x = m.input_vectors(inputs)
         cand = self.candidates()
         frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
-        onehot = torch.nn.functional.one_hot(cand.labels, m.num_classes).to(x.dtype)  # (K, V)
+        onehot = class_onehot(cand.labels, m.num_classes, x.dtype)  # (K, V)
         ws.target_mask.copy_(onehot[:, targets].T)
         input_drive(x, m.energy, ws.drive)
         ws.state.zero_()

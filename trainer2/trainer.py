@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from trainer2.checkpoint import load_trainer, save_trainer
+from trainer2.capture import StepRunner
 from trainer2.config import ConfigError, TrainConfig, to_yaml
 from trainer2.data import Dataset, Sampler, heldout_batches, load_dataset
 from trainer2.learning import METRICS, Learner
@@ -56,9 +57,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, log=print) -> None:
         self.cfg, self.log = cfg, log
         self.device = resolve_device(cfg.device)
-        self.graphs = cfg.use_cudagraphs and self.device.type == "cuda"
-        if cfg.use_cudagraphs and not self.graphs:
-            log("warning: --use_cudagraphs needs a CUDA device; none is in use here, so the run goes on eagerly")
+        self.graphs = cfg.use_cudagraphs and self.device.type == "cuda"  # without CUDA the StepRunner warns once
         torch.manual_seed(cfg.seed)  # the global RNGs too, so anything drawing from them repeats (and is checkpointed)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
@@ -68,6 +67,7 @@ class Trainer:
         like = self.machine.readout.protos
         self.memory = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, like) if cfg.memory_capacity else None
         self.learner = Learner(self.machine, cfg, cfg.batch_size, self.memory)
+        self.runner = StepRunner.from_config(self.learner, cfg, log)
         self.sampler = Sampler(self.data.num_examples("train"), cfg.batch_size, cfg.seed)
         self.progress = Progress()
         self.history: list[dict[str, float]] = []
@@ -91,8 +91,8 @@ class Trainer:
     # --- training ---
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = self.data.batch("train", self.sampler.next())
-        return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        """Host tensors; the StepRunner stages them onto the device (pinned, non-blocking on CUDA)."""
+        return self.data.batch("train", self.sampler.next())
 
     @torch.no_grad()
     def train(self) -> dict[str, float]:
@@ -115,7 +115,7 @@ class Trainer:
             with mon.phase("data"):
                 inputs, targets = self.next_batch()
             with mon.step_phase():
-                self.learner.step(inputs, targets)
+                self.runner.step(inputs, targets)
             self.progress.window += 1
             self.progress.examples += cfg.batch_size
             bar.update(1)

@@ -1,0 +1,263 @@
+"""StepRunner: eager, graph, compile and compile+graph run the same step; fallbacks say so once.
+
+CUDA tests are skipped without a GPU; `python -m benchmarks.gpu_checks` runs them with the benchmark.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tiny import tiny_config, tiny_machine
+from trainer2.capture import StaticBatch, StepRunner, learner_tensors
+from trainer2.learning import Learner
+from trainer2.machine import move_machine
+from trainer2.memory import MemoryBank
+from trainer2.trainer import Trainer
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (python -m benchmarks.gpu_checks on one)")
+V = 7
+SHORT = {"tbptt_window_steps": 2, "nudge_steps": 1}  # compile time grows with the unrolled steps
+
+
+def fresh_learner(device: str = "cpu", **overrides) -> Learner:
+    """A learner with a memory bank, so the step also writes memory; identical for identical arguments."""
+    cfg = tiny_config(**{"tbptt_window_steps": 6, "nudge_steps": 3, "beta_nudge": 0.05, "memory_capacity": 12, **overrides})
+    m = move_machine(tiny_machine(cfg, V), torch.device(device))
+    mem = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, m.readout.protos)
+    return Learner(m, cfg, cfg.batch_size, mem)
+
+
+def batches(cfg, n: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, V, (cfg.batch_size, cfg.context_len), generator=gen),
+             torch.randint(0, V, (cfg.batch_size,), generator=gen)) for _ in range(n)]
+
+
+def run(step, learner: Learner, data, device: str = "cpu", first: int = 0) -> None:
+    """Steps over `data` (batches first, first + 1, ...), changing the learning rate between them as a schedule does."""
+    with torch.no_grad():
+        for i, (x, y) in enumerate(data, start=first):
+            learner.update.lr.fill_(0.05 / (i + 1))
+            step(x.to(device), y.to(device))
+
+
+def assert_same_state(a: Learner, b: Learner, rtol: float = 0.0, atol: float = 0.0) -> None:
+    ta, tb = learner_tensors(a), learner_tensors(b)
+    assert len(ta) == len(tb)
+    for x, y in zip(ta, tb):
+        if rtol == 0.0 and atol == 0.0:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+class Spy(TorchDispatchMode):
+    """Records every aten op that runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+# --- CPU: what makes the step capturable, and the fallbacks ---
+
+
+def test_step_reads_nothing_back_and_draws_no_random_numbers():
+    """A captured step may not sync with the host or use the RNG; on CPU this shows as dispatched ops."""
+    learner = fresh_learner(**SHORT)
+    x, y = batches(learner.cfg, 1)[0]
+    with torch.no_grad(), Spy() as spy:
+        learner.step(x, y)
+    assert "index_copy_" in spy.ops  # the memory write is inside the step the graph captures
+    banned = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "_assert_async",
+              "rand", "randn", "randint", "bernoulli", "normal", "uniform", "multinomial", "randperm", "exponential"}
+    assert not spy.ops & banned, spy.ops & banned
+
+
+def test_learner_tensors_cover_everything_the_step_updates():
+    learner = fresh_learner()
+    ids = {id(t) for t in learner_tensors(learner)}
+    names = list(learner.m.named_params())
+    must = [*learner.m.named_params().values(), *learner.update.tensors(names).values(), *learner.memory.tensors().values(),
+            learner.metrics, *learner.ws.state.s, *learner.s0.p, learner.ws.readout.pi]
+    assert all(id(t) in ids for t in must)
+    assert len(ids) == len(learner_tensors(learner))
+
+
+@pytest.mark.skipif(CUDA, reason="checks the fallback on a machine without CUDA")
+def test_graph_mode_without_cuda_warns_once_and_equals_eager_bitwise():
+    eager, graphed = fresh_learner(), fresh_learner()
+    data = batches(eager.cfg, 5)
+    logs: list[str] = []
+    runner = StepRunner(graphed, graphs=True, warmup_steps=2, log=logs.append)
+    run(eager.step, eager, data)
+    run(runner.step, graphed, data)
+    assert len(logs) == 1 and "--use_cudagraphs needs a CUDA device" in logs[0] and "eagerly" in logs[0]
+    assert runner.mode == "eager" and runner.graph is None
+    assert_same_state(eager, graphed)
+
+
+def test_failed_compile_says_so_once_and_runs_eagerly():
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no C++ compiler found")
+
+    eager, compiled = fresh_learner(**SHORT), fresh_learner(**SHORT)
+    data = batches(eager.cfg, 3)
+    logs: list[str] = []
+    runner = StepRunner(compiled, compile=True, compile_backend=broken_backend, log=logs.append)
+    run(eager.step, eager, data)
+    run(runner.step, compiled, data)
+    assert len(logs) == 1 and "torch.compile of the batch step failed" in logs[0] and "no C++ compiler found" in logs[0]
+    assert runner.mode == "eager"
+    assert_same_state(eager, compiled)
+
+
+def test_compiled_step_equals_eager():
+    """Dynamo traces the whole step as one graph (fullgraph) with its in-place updates; aot_eager keeps it fast on CPU."""
+    eager, compiled = fresh_learner(dtype="float32", **SHORT), fresh_learner(dtype="float32", **SHORT)
+    data = batches(eager.cfg, 3)
+    logs: list[str] = []
+    runner = StepRunner(compiled, compile=True, compile_backend="aot_eager", log=logs.append)
+    run(eager.step, eager, data)
+    run(runner.step, compiled, data)
+    assert logs == [] and runner.mode == "compile"
+    assert_same_state(eager, compiled, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not CUDA and not os.environ.get("TRAINER2_SLOW_TESTS"),
+                    reason="inductor spends minutes compiling C++ kernels on CPU; set TRAINER2_SLOW_TESTS=1 to run")
+def test_inductor_compiled_step_equals_eager_or_falls_back_with_its_message():
+    device = "cuda" if CUDA else "cpu"
+    eager, compiled = fresh_learner(device, dtype="float32"), fresh_learner(device, dtype="float32")
+    data = batches(eager.cfg, 3)
+    logs: list[str] = []
+    runner = StepRunner(compiled, compile=True, log=logs.append)
+    run(eager.step, eager, data, device)
+    run(runner.step, compiled, data, device)
+    if logs:  # no toolchain: the fallback must say so and change nothing
+        assert len(logs) == 1 and "torch.compile of the batch step failed" in logs[0] and runner.mode == "eager"
+    else:
+        assert runner.mode == "compile"
+    assert_same_state(eager, compiled, rtol=1e-4, atol=1e-5)
+
+
+def test_static_batch_refuses_a_batch_of_another_shape():
+    x, y = torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    sb = StaticBatch.allocate(x, y, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"batch of shape \(3, 3\).*static buffers \(4, 3\)"):
+        sb.load(x[:3], y[:3])
+
+
+def test_trainer_runs_the_step_through_the_runner(small_text, tmp_path):
+    """Graph flags on a CPU machine: one warning, and the same run as without them."""
+    def train(**flags) -> tuple[Trainer, list[str]]:
+        logs: list[str] = []
+        cfg = tiny_config(data=str(small_text), dtype="float32", batch_size=8, max_windows=3, tbptt_window_steps=5, nudge_steps=3,
+                          beta_nudge=0.05, eval_batches=1, log_every_windows=3, checkpoint_dir=str(tmp_path), device="cpu", **flags)
+        t = Trainer(cfg, log=logs.append)
+        t.train()
+        return t, [line for line in logs if "warning" in line]
+
+    plain, plain_warn = train()
+    graphed, graph_warn = train(use_cudagraphs=True, static_shapes=True, capture_batch_size=8)
+    assert plain_warn == [] and plain.runner.mode == "eager"
+    assert len(graph_warn) == 1 and "needs a CUDA device" in graph_warn[0]
+    assert_same_state(plain.learner, graphed.learner)
+    assert graphed.runner.steps == 3
+
+
+def test_bench_times_every_mode_in_one_run(small_text):
+    from benchmarks.bench import run as bench
+
+    rows, table = bench(["--data", str(small_text), "--hidden_sizes", "8", "--tbptt_window_steps", "3", "--nudge_steps", "2",
+                         "--device", "cpu", "--modes", "eager", "graph", "--batch_sizes", "4", "--windows", "2"])
+    eager, graph = rows
+    assert (eager.batch, eager.mode) == (4, "eager") and eager.windows_per_s > 0
+    assert eager.kernels_per_step > 10  # forces, leapfrog and observables are a dozen ops or more per step, eagerly
+    if not CUDA:
+        assert graph.windows_per_s is None and graph.note == "n/a (CUDA graphs need a CUDA device)"
+    assert "3 free + 2x2 nudged = 7 relaxation steps" in table and "n/a" in table and "1.00x" in table
+
+
+# --- CUDA (skipped without a GPU) ---
+
+
+@needs_cuda
+def test_graph_replay_equals_eager_on_cuda():
+    """Warm-up, capture, replays fed from host (pinned) batches, lr changing between them; then a recapture."""
+    eager, graphed = fresh_learner("cuda", dtype="float32"), fresh_learner("cuda", dtype="float32")
+    data = batches(eager.cfg, 10)
+    logs: list[str] = []
+    runner = StepRunner(graphed, graphs=True, warmup_steps=2, log=logs.append)
+    run(eager.step, eager, [(x.cuda(), y.cuda()) for x, y in data], "cuda")
+    run(runner.step, graphed, data[:6])  # host tensors: staged through pinned memory
+    first = runner.graph
+    runner.invalidate()
+    run(runner.step, graphed, data[6:], first=6)
+    torch.cuda.synchronize()
+    assert logs == [] and runner.mode == "graph" and first is not None and runner.graph not in (None, first)
+    assert_same_state(eager, graphed, rtol=1e-4, atol=1e-5)
+
+
+@needs_cuda
+def test_replay_does_not_sync_with_the_host():
+    learner = fresh_learner("cuda", dtype="float32")
+    data = [(x.cuda(), y.cuda()) for x, y in batches(learner.cfg, 6)]
+    runner = StepRunner(learner, graphs=True, warmup_steps=2)
+    with torch.no_grad():
+        for x, y in data[:3]:
+            runner.step(x, y)
+        assert runner.graph is not None
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for x, y in data[3:]:
+                learner.update.lr.fill_(0.01)
+                runner.step(x, y)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(learner.metrics).all()
+
+
+@needs_cuda
+def test_failed_capture_says_so_once_and_runs_eagerly(monkeypatch):
+    eager, graphed = fresh_learner("cuda", dtype="float32"), fresh_learner("cuda", dtype="float32")
+    data = [(x.cuda(), y.cuda()) for x, y in batches(eager.cfg, 5)]
+    real_step = graphed.step
+
+    def syncing_step(x, y):
+        float(x.sum())  # a host sync: fine eagerly, illegal while capturing
+        real_step(x, y)
+
+    monkeypatch.setattr(graphed, "step", syncing_step)
+    logs: list[str] = []
+    runner = StepRunner(graphed, graphs=True, warmup_steps=1, log=logs.append)
+    run(eager.step, eager, data, "cuda")
+    run(runner.step, graphed, data, "cuda")
+    torch.cuda.synchronize()
+    assert len(logs) == 1 and "CUDA graph capture of the batch step failed" in logs[0]
+    assert runner.mode == "eager" and runner.graph is None
+    assert_same_state(eager, graphed, rtol=1e-5, atol=1e-6)
+
+
+@needs_cuda
+def test_compiled_step_captured_as_a_graph_equals_eager_on_cuda():
+    eager, both = fresh_learner("cuda", dtype="float32"), fresh_learner("cuda", dtype="float32")
+    data = [(x.cuda(), y.cuda()) for x, y in batches(eager.cfg, 6)]
+    logs: list[str] = []
+    runner = StepRunner(both, graphs=True, compile=True, warmup_steps=2, log=logs.append)
+    run(eager.step, eager, data, "cuda")
+    run(runner.step, both, data, "cuda")
+    torch.cuda.synchronize()
+    assert logs == [] and runner.mode == "compile+graph" and runner.graph is not None
+    assert_same_state(eager, both, rtol=1e-4, atol=1e-5)
