@@ -6,6 +6,7 @@ import torch
 
 from benchmarks.autograd_reference import cosine, exact_grads
 from tiny import tiny_batch, tiny_config, tiny_machine
+from trainer2.config import TrainConfig
 from trainer2.learning import Learner
 
 
@@ -22,6 +23,13 @@ def ep_and_exact(**overrides):
 
 def test_symmetric_ep_matches_autograd_for_every_parameter_group():
     est, ref = ep_and_exact(beta_nudge=1e-2)
+    for name, g in est.items():
+        assert cosine(g, ref[name]) > 0.999, name
+
+
+def test_symmetric_ep_matches_autograd_with_the_default_sharp_readout():
+    defaults = {k: TrainConfig.model_fields[k].default for k in ("r_init", "proto_init_scale", "spectral_cap", "beta_nudge")}
+    est, ref = ep_and_exact(**defaults)
     for name, g in est.items():
         assert cosine(g, ref[name]) > 0.999, name
 
