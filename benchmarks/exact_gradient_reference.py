@@ -1,0 +1,145 @@
+"""The same machine trained with the exact gradient instead of the EP estimate, and a feed-forward baseline.
+
+    python benchmarks/exact_gradient_reference.py --preset production --examples 200000 [--ff]
+
+`ExactGradLearner` swaps only the gradient source of the trainer's `Learner`: the energy couplings and
+the embedding get autograd's gradient of the batch-mean loss through the unrolled free window (same
+T_free, integrator, dtype), the readout its exact gradient as before. Initialisation, data, sampler,
+update rule, learning rates, schedule and constraints are the trainer's own, so a gap between the two
+runs is the cost of the learning rule alone. Lives outside trainer2/ because it uses autograd.
+
+`train_feedforward` trains, for context, a plain feed-forward network of the same sizes (embedding,
+hidden layers, n outputs, then the same geometric readout or a linear softmax head) with backprop and
+torch.optim.Adam, from the same initial tensors, data order and held-out split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.autograd_reference import exact_grads, readout_loss  # noqa: E402
+from trainer2.cli import resolve_config, train_parser  # noqa: E402
+from trainer2.config import ConfigError, TrainConfig  # noqa: E402
+from trainer2.data import Sampler, heldout_batches  # noqa: E402
+from trainer2.geometry import readout_loss_and_grads  # noqa: E402
+from trainer2.learning import Learner, StepResult, param_group  # noqa: E402
+from trainer2.machine import Machine, build_machine, project_constraints  # noqa: E402
+from trainer2.trainer import EVAL_BATCH, Trainer, lr_at  # noqa: E402
+
+
+class ExactGradLearner(Learner):
+    """A Learner whose energy and embedding gradients are autograd's, through the unrolled free window."""
+
+    def grads(self, inputs: Tensor, targets: Tensor) -> StepResult:
+        cfg, m, ws = self.cfg, self.m, self.ws
+        _, frame, cand = self.free_phase(inputs, targets)  # loss, probs and observables, as the trainer logs them
+        res = readout_loss_and_grads(self.s0.s[-1], frame, cand, targets, m.num_classes, m.layout, m.readout.theta)
+        exact, _ = exact_grads(m, inputs, targets, cfg.tbptt_window_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+        obs = ws.obs
+        steps = cfg.tbptt_window_steps
+        free_obs = torch.stack([obs.lior.mean(), obs.spd.mean() / steps, obs.spd_last.mean(), obs.r_sum / steps, torch.zeros_like(obs.r_sum)])
+        return StepResult([exact[n] for n in self.names], res.loss, res.probs, free_obs)
+
+
+def exact_trainer(cfg: TrainConfig, log=print) -> Trainer:
+    """A Trainer for `cfg` (same init, data, sampler) whose learner uses exact gradients; CPU only."""
+    if cfg.memory_capacity:
+        raise ConfigError("the exact-gradient reference has no memory bank: set memory_capacity 0")
+    if cfg.device not in ("cpu", "auto"):
+        raise ConfigError(f"the exact-gradient reference runs on the CPU, got device {cfg.device!r}")
+    trainer = Trainer(cfg.model_copy(update={"device": "cpu"}), log=log)
+    trainer.learner = ExactGradLearner(trainer.machine, trainer.cfg, cfg.batch_size, None)
+    return trainer
+
+
+def ff_forward(m: Machine, inputs: Tensor, act: str, head: list[Tensor] | None) -> Tensor:
+    """Embedding -> act(W h + b) per hidden layer -> q (B, n); then logits (B, V) through `head` [weight (V, n),
+    bias (V,)] when given, else q itself."""
+    h = m.input_vectors(inputs)
+    ws, bs = m.energy.weights, m.energy.biases
+    for w, b in zip(ws[:-1], bs[:-1]):
+        z = h @ w.T + b
+        h = z.clamp(0.0, 1.0) if act == "clamp" else torch.relu(z)
+    q = h @ ws[-1].T + bs[-1]
+    return q @ head[0].T + head[1] if head is not None else q
+
+
+def ff_loss(m: Machine, cfg: TrainConfig, inputs: Tensor, targets: Tensor, act: str, head: list[Tensor] | None) -> Tensor:
+    """Per-example loss (B,) in nats: the linear softmax head when given, else the machine's geometric readout."""
+    out = ff_forward(m, inputs, act, head)
+    if head is not None:
+        return torch.nn.functional.cross_entropy(out, targets, reduction="none")
+    r = m.readout
+    return readout_loss(out, targets, r.g_diag, r.theta, r.protos, r.r_sc, m, cfg.retrieval_beta, cfg.eps)
+
+
+def train_feedforward(cfg: TrainConfig, examples: int, act: str = "relu", head_kind: str = "readout", capped: bool = False) -> dict[str, float]:
+    """Backprop + Adam on the feed-forward net for `examples` examples; returns held-out bpc and accuracy.
+
+    Same initial tensors (build_machine with cfg.seed), same sampler order and held-out split as the trainer.
+    """
+    trainer = Trainer(cfg.model_copy(update={"device": "cpu"}), log=lambda *_: None)
+    data, m = trainer.data, trainer.machine
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    dtype = m.readout.protos.dtype
+    head = None
+    if head_kind == "linear":
+        head = [torch.randn(m.num_classes, cfg.coord_dim_n, generator=gen, dtype=dtype) / math.sqrt(cfg.coord_dim_n), torch.zeros(m.num_classes, dtype=dtype)]
+    named = {**m.named_params(), **({"head.weight": head[0], "head.bias": head[1]} if head else {})}
+    scale = {"energy": 1.0, "readout": cfg.eta_readout_scale, "embed": cfg.eta_embed_scale}
+    groups = [{"params": [p], "mult": scale[param_group(n)]} for n, p in named.items()]
+    for g in groups:
+        g["params"][0].requires_grad_(True)
+    opt = torch.optim.Adam(groups, lr=cfg.eta_update, betas=(cfg.momentum, cfg.adam_beta2), eps=cfg.adam_eps)
+    sampler = Sampler(data.num_examples("train"), cfg.batch_size, cfg.seed)
+    power_vecs = trainer.learner.update.power_vecs if capped else []
+    total_windows = math.ceil(examples / cfg.batch_size)
+    for w in range(total_windows):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, w, total_windows) * g["mult"]  # the trainer's schedule and per-group scales
+        inputs, targets = data.batch("train", sampler.next())
+        loss = ff_loss(m, cfg, inputs, targets, act, head).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            project_constraints(m, cfg, power_vecs)  # no power vectors: readout clamps only, no spectral caps
+    total, correct, count = 0.0, 0, 0
+    with torch.no_grad():
+        for idx in heldout_batches(data.num_examples("heldout"), EVAL_BATCH, cfg.eval_batches):
+            inputs, targets = data.batch("heldout", idx)
+            loss = ff_loss(m, cfg, inputs, targets, act, head)
+            logits = ff_forward(m, inputs, act, head) if head is not None else -loss  # readout: accuracy not tracked
+            total += float(loss.sum())
+            correct += int((logits.argmax(1) == targets).sum()) if head is not None else 0
+            count += len(idx)
+    return {"heldout_bpc": total / count / math.log(2), "heldout_acc": correct / count if head is not None else float("nan")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="production")
+    p.add_argument("--examples", type=int, default=200_000, help="training examples (rounded up to whole batches)")
+    p.add_argument("--ff", action="store_true", help="also train the feed-forward backprop baseline")
+    args, rest = p.parse_known_args()
+    cfg = resolve_config(train_parser().parse_args(["--preset", args.preset, "--device", "cpu", "--run_name", "exact_reference", *rest]))
+    windows = math.ceil(args.examples / cfg.batch_size)
+    cfg = cfg.model_copy(update={"max_windows": windows, "max_epochs": None})
+    summary = exact_trainer(cfg).train()
+    print(f"exact-gradient reference: held-out bpc {summary['heldout_bpc']:.4f} after {summary['examples_seen']} examples "
+          f"({summary['wall_seconds']:.0f} s)")
+    if args.ff:
+        ff = train_feedforward(cfg, args.examples)
+        print(f"feed-forward backprop: held-out bpc {ff['heldout_bpc']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Learning quality: the EP trainer against exact gradients on the same machine, and feed-forward backprop.
+
+    python benchmarks/quality.py [--preset production] [--examples 2000000] [--FIELD VALUE ...]
+
+Trains, for the same number of examples and from the same initialisation and data order: the trainer
+(EP estimate), the exact-gradient reference (`ExactGradLearner`: the same everything, but autograd's
+gradient through the unrolled free window), and a feed-forward network of the same sizes with backprop
+and Adam. Prints held-out bpc of each, the EP / exact ratio, the cosine between the EP update and the
+exact gradient at the preset's window lengths, dropped updates and the largest rise of held-out bpc
+above its best along each run. Any TrainConfig flag after the options overrides the preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.ep_cosine import measure  # noqa: E402
+from benchmarks.exact_gradient_reference import exact_trainer, train_feedforward  # noqa: E402
+from trainer2.cli import resolve_config, train_parser  # noqa: E402
+from trainer2.config import TrainConfig  # noqa: E402
+from trainer2.trainer import Trainer  # noqa: E402
+
+
+def max_rise(history: list[dict[str, float]]) -> float:
+    """Largest rise of held-out bpc above its best so far along a run (0 when it never rises)."""
+    best, rise = math.inf, 0.0
+    for row in history:
+        if "heldout_bpc" in row:
+            best = min(best, row["heldout_bpc"])
+            rise = max(rise, row["heldout_bpc"] - best)
+    return rise
+
+
+def run(trainer: Trainer) -> dict[str, float | list]:
+    summary = trainer.train()
+    curve = [(int(r["examples"]), round(r["heldout_bpc"], 4)) for r in trainer.history if "heldout_bpc" in r]
+    return {**summary, "max_rise": max_rise(trainer.history), "curve": curve}
+
+
+def quality_config(preset: str, examples: int, flags: list[str]) -> TrainConfig:
+    """The preset on the CPU, resized to `examples` (whole batches); later flags override it."""
+    cfg = resolve_config(train_parser().parse_args(["--preset", preset, "--device", "cpu", "--run_name", "quality", *flags]))
+    return cfg.model_copy(update={"max_windows": math.ceil(examples / cfg.batch_size), "max_epochs": None})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags.")
+    p.add_argument("--preset", default="production", help="preset whose settings both machines use")
+    p.add_argument("--examples", type=int, default=2_000_000, help="training examples for each run (rounded up to whole batches)")
+    p.add_argument("--cosine_batches", type=int, default=4, help="training batches the EP cosine is averaged over")
+    p.add_argument("--ff_head", choices=["readout", "linear"], default="readout", help="head of the feed-forward baseline")
+    p.add_argument("--skip", nargs="*", default=[], choices=["exact", "ff"], help="runs to leave out")
+    p.add_argument("--json", help="also write the figures to this JSON file")
+    args, flags = p.parse_known_args()
+    cfg = quality_config(args.preset, args.examples, flags)
+    quiet = lambda *_: None  # noqa: E731
+    print(f"preset {args.preset}: {cfg.max_windows} windows x {cfg.batch_size} = {cfg.max_windows * cfg.batch_size} examples per run; "
+          f"T_free={cfg.tbptt_window_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, symmetric={cfg.symmetric_nudge}", flush=True)
+    res: dict[str, dict] = {}
+    ep = Trainer(cfg, log=quiet)
+    res["ep"] = run(ep)
+    cos = measure(ep, args.cosine_batches, cfg.tbptt_window_steps)
+    if "exact" not in args.skip:
+        res["exact"] = run(exact_trainer(cfg.model_copy(update={"run_name": "quality_exact"}), log=quiet))
+    if "ff" not in args.skip:
+        start = time.perf_counter()
+        res["ff"] = {**train_feedforward(cfg, cfg.max_windows * cfg.batch_size, head_kind=args.ff_head), "wall_seconds": time.perf_counter() - start}
+
+    print(f"\n{'run':<28} {'held-out bpc':>12} {'max rise':>9} {'dropped':>8} {'wall s':>7}")
+    names = {"ep": "EP trainer", "exact": "exact-gradient reference", "ff": f"feed-forward backprop ({args.ff_head})"}
+    for k, r in res.items():
+        rise = f"{r['max_rise']:9.3f}" if "max_rise" in r else f"{'-':>9}"
+        dropped = f"{r['dropped_updates']:8.0f}" if "dropped_updates" in r else f"{'-':>8}"
+        print(f"{names[k]:<28} {r['heldout_bpc']:12.4f} {rise} {dropped} {r['wall_seconds']:7.0f}")
+    if "exact" in res:
+        ratio = res["ep"]["heldout_bpc"] / res["exact"]["heldout_bpc"]
+        print(f"\nratio EP / exact: {ratio:.4f} ({'within' if ratio <= 1.05 else 'OUTSIDE'} 5%)")
+        res["ratio"] = ratio
+    print("EP cosine to the exact gradient (same window, end of training): " + ", ".join(f"{k} {v:.4f}" for k, v in cos.items()))
+    print("held-out bpc curve (examples, bpc): EP " + str(res["ep"]["curve"]) + ("; exact " + str(res["exact"]["curve"]) if "exact" in res else ""))
+    res["cosine"] = cos
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": cfg.model_dump(), **res}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
