@@ -29,9 +29,9 @@ from benchmarks.autograd_reference import exact_grads, readout_loss  # noqa: E40
 from trainer2.cli import resolve_config, train_parser  # noqa: E402
 from trainer2.config import ConfigError, TrainConfig  # noqa: E402
 from trainer2.data import Sampler, heldout_batches  # noqa: E402
-from trainer2.geometry import readout_loss_and_grads  # noqa: E402
+from trainer2.geometry import readout_frame, readout_loss_and_grads  # noqa: E402
 from trainer2.learning import Learner, StepResult, param_group  # noqa: E402
-from trainer2.machine import Machine, build_machine, project_constraints  # noqa: E402
+from trainer2.machine import Machine, project_constraints  # noqa: E402
 from trainer2.trainer import EVAL_BATCH, Trainer, lr_at  # noqa: E402
 
 
@@ -116,29 +116,39 @@ def train_feedforward(cfg: TrainConfig, examples: int, act: str = "relu", head_k
     with torch.no_grad():
         for idx in heldout_batches(data.num_examples("heldout"), EVAL_BATCH, cfg.eval_batches):
             inputs, targets = data.batch("heldout", idx)
-            loss = ff_loss(m, cfg, inputs, targets, act, head)
-            logits = ff_forward(m, inputs, act, head) if head is not None else -loss  # readout: accuracy not tracked
+            out = ff_forward(m, inputs, act, head)
+            if head is None:  # score with the trainer's own readout code, as its evaluation does
+                cand = m.prototype_candidates()
+                frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
+                res = readout_loss_and_grads(out, frame, cand, targets, m.num_classes, m.layout, m.readout.theta)
+                loss, probs = res.loss, res.probs
+            else:
+                loss, probs = torch.nn.functional.cross_entropy(out, targets, reduction="none"), out
             total += float(loss.sum())
-            correct += int((logits.argmax(1) == targets).sum()) if head is not None else 0
+            correct += int((probs.argmax(1) == targets).sum())
             count += len(idx)
-    return {"heldout_bpc": total / count / math.log(2), "heldout_acc": correct / count if head is not None else float("nan")}
+    return {"heldout_bpc": total / count / math.log(2), "heldout_acc": correct / count}
+
+
+def benchmark_config(preset: str, examples: int, flags: list[str], run_name: str = "quality") -> TrainConfig:
+    """The preset on the CPU, resized to `examples` (whole batches, schedule included); later flags override it."""
+    cfg = resolve_config(train_parser().parse_args(["--preset", preset, "--device", "cpu", "--run_name", run_name, *flags]))
+    return cfg.model_copy(update={"max_windows": math.ceil(examples / cfg.batch_size), "max_epochs": None})
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags.")
     p.add_argument("--preset", default="production")
     p.add_argument("--examples", type=int, default=200_000, help="training examples (rounded up to whole batches)")
     p.add_argument("--ff", action="store_true", help="also train the feed-forward backprop baseline")
-    args, rest = p.parse_known_args()
-    cfg = resolve_config(train_parser().parse_args(["--preset", args.preset, "--device", "cpu", "--run_name", "exact_reference", *rest]))
-    windows = math.ceil(args.examples / cfg.batch_size)
-    cfg = cfg.model_copy(update={"max_windows": windows, "max_epochs": None})
+    args, flags = p.parse_known_args()
+    cfg = benchmark_config(args.preset, args.examples, flags, "exact_reference")
     summary = exact_trainer(cfg).train()
     print(f"exact-gradient reference: held-out bpc {summary['heldout_bpc']:.4f} after {summary['examples_seen']} examples "
           f"({summary['wall_seconds']:.0f} s)")
     if args.ff:
-        ff = train_feedforward(cfg, args.examples)
-        print(f"feed-forward backprop: held-out bpc {ff['heldout_bpc']:.4f}")
+        ff = train_feedforward(cfg, summary["examples_seen"])
+        print(f"feed-forward backprop: held-out bpc {ff['heldout_bpc']:.4f}, acc {ff['heldout_acc']:.3f}")
 
 
 if __name__ == "__main__":

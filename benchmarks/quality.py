@@ -22,9 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.ep_cosine import measure  # noqa: E402
-from benchmarks.exact_gradient_reference import exact_trainer, train_feedforward  # noqa: E402
-from trainer2.cli import resolve_config, train_parser  # noqa: E402
-from trainer2.config import TrainConfig  # noqa: E402
+from benchmarks.exact_gradient_reference import benchmark_config, exact_trainer, train_feedforward  # noqa: E402
 from trainer2.trainer import Trainer  # noqa: E402
 
 
@@ -44,12 +42,6 @@ def run(trainer: Trainer) -> dict[str, float | list]:
     return {**summary, "max_rise": max_rise(trainer.history), "curve": curve}
 
 
-def quality_config(preset: str, examples: int, flags: list[str]) -> TrainConfig:
-    """The preset on the CPU, resized to `examples` (whole batches); later flags override it."""
-    cfg = resolve_config(train_parser().parse_args(["--preset", preset, "--device", "cpu", "--run_name", "quality", *flags]))
-    return cfg.model_copy(update={"max_windows": math.ceil(examples / cfg.batch_size), "max_epochs": None})
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags.")
     p.add_argument("--preset", default="production", help="preset whose settings both machines use")
@@ -59,7 +51,7 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=["exact", "ff"], help="runs to leave out")
     p.add_argument("--json", help="also write the figures to this JSON file")
     args, flags = p.parse_known_args()
-    cfg = quality_config(args.preset, args.examples, flags)
+    cfg = benchmark_config(args.preset, args.examples, flags)
     quiet = lambda *_: None  # noqa: E731
     print(f"preset {args.preset}: {cfg.max_windows} windows x {cfg.batch_size} = {cfg.max_windows * cfg.batch_size} examples per run; "
           f"T_free={cfg.tbptt_window_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, symmetric={cfg.symmetric_nudge}", flush=True)
@@ -73,12 +65,12 @@ def main() -> None:
         start = time.perf_counter()
         res["ff"] = {**train_feedforward(cfg, cfg.max_windows * cfg.batch_size, head_kind=args.ff_head), "wall_seconds": time.perf_counter() - start}
 
-    print(f"\n{'run':<28} {'held-out bpc':>12} {'max rise':>9} {'dropped':>8} {'wall s':>7}")
+    print(f"\n{'run':<32} {'held-out bpc':>12} {'acc':>6} {'max rise':>9} {'dropped':>8} {'wall s':>7}")
     names = {"ep": "EP trainer", "exact": "exact-gradient reference", "ff": f"feed-forward backprop ({args.ff_head})"}
     for k, r in res.items():
         rise = f"{r['max_rise']:9.3f}" if "max_rise" in r else f"{'-':>9}"
         dropped = f"{r['dropped_updates']:8.0f}" if "dropped_updates" in r else f"{'-':>8}"
-        print(f"{names[k]:<28} {r['heldout_bpc']:12.4f} {rise} {dropped} {r['wall_seconds']:7.0f}")
+        print(f"{names[k]:<32} {r['heldout_bpc']:12.4f} {r['heldout_acc']:6.3f} {rise} {dropped} {r['wall_seconds']:7.0f}")
     if "exact" in res:
         ratio = res["ep"]["heldout_bpc"] / res["exact"]["heldout_bpc"]
         print(f"\nratio EP / exact: {ratio:.4f} ({'within' if ratio <= 1.05 else 'OUTSIDE'} 5%)")

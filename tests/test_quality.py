@@ -1,0 +1,104 @@
+"""The quality benchmark: exact-gradient reference, feed-forward baseline, figures, and the production preset's EP accuracy."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from benchmarks import quality
+from benchmarks.autograd_reference import cosine, exact_grads
+from benchmarks.exact_gradient_reference import ExactGradLearner, benchmark_config, exact_trainer, train_feedforward
+from tiny import tiny_batch, tiny_config, tiny_machine
+from trainer2.config import ConfigError, build_config
+from trainer2.learning import Learner
+from trainer2.trainer import Trainer
+
+FAST = dict(hidden_sizes=[16], coord_dim_n=4, rotor_k=4, context_len=3, embed_dim=3, batch_size=16, tbptt_window_steps=12,
+            nudge_steps=6, beta_nudge=0.003, r_init=4.0, proto_init_scale=0.3, log_every_windows=10, eval_every_windows=20,
+            eval_batches=2, eta_update=0.01, max_windows=40)
+
+
+def fast_config(tmp_path, data, **overrides):
+    return build_config([("test", {**FAST, "data": str(data), "checkpoint_dir": str(tmp_path), "device": "cpu", **overrides})])
+
+
+def test_exact_learner_swaps_only_the_gradient_source():
+    cfg = tiny_config(beta_nudge=1e-3, tbptt_window_steps=60, nudge_steps=60)
+    m = tiny_machine(cfg)
+    inputs, targets = tiny_batch(cfg)
+    with torch.no_grad():
+        ep = Learner(m, cfg, cfg.batch_size).grads(inputs, targets)
+        ex = ExactGradLearner(m, cfg, cfg.batch_size).grads(inputs, targets)
+    ref, loss = exact_grads(m, inputs, targets, cfg.tbptt_window_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+    names = list(m.named_params())
+    for name, g_ex, g_ep in zip(names, ex.grads, ep.grads):
+        torch.testing.assert_close(g_ex, ref[name])  # the autograd gradient itself, parameter by parameter
+        assert cosine(g_ex, g_ep) > 0.999, name  # which EP estimates at small beta
+    torch.testing.assert_close(ex.loss, ep.loss)  # same free phase, same readout
+    torch.testing.assert_close(ex.loss.mean(), loss)
+
+
+def test_exact_and_ep_trainers_start_identical_and_both_learn(tmp_path, small_text):
+    cfg = fast_config(tmp_path, small_text)
+    ep, ex = Trainer(cfg, log=lambda *_: None), exact_trainer(cfg, log=lambda *_: None)
+    assert isinstance(ex.learner, ExactGradLearner)
+    for a, b in zip(ep.machine.named_params().values(), ex.machine.named_params().values()):
+        assert torch.equal(a, b)
+    before = ep.evaluate()["heldout_bpc"]
+    ep_bpc, ex_bpc = ep.train()["heldout_bpc"], ex.train()["heldout_bpc"]
+    assert ep_bpc < before - 0.5 and ex_bpc < before - 0.5
+    assert abs(ep_bpc / ex_bpc - 1) < 0.05  # the two rules agree on a converged, convex machine
+
+
+def test_exact_reference_refuses_a_memory_bank(tmp_path, small_text):
+    with pytest.raises(ConfigError, match="memory_capacity"):
+        exact_trainer(fast_config(tmp_path, small_text, memory_capacity=32))
+
+
+@pytest.mark.parametrize("head", ["readout", "linear"])
+def test_feedforward_baseline_learns(tmp_path, small_text, head):
+    cfg = fast_config(tmp_path, small_text)
+    before = Trainer(cfg, log=lambda *_: None).evaluate()["heldout_bpc"]
+    after = train_feedforward(cfg, 40 * 16, head_kind=head)["heldout_bpc"]
+    assert after < before - 0.5
+
+
+def test_max_rise_is_the_largest_rise_above_the_best_so_far():
+    rows = [{"heldout_bpc": 3.0}, {"train_bpc": 9.0}, {"heldout_bpc": 2.0}, {"heldout_bpc": 2.3}, {"heldout_bpc": 1.5}, {"heldout_bpc": 1.6}]
+    assert quality.max_rise(rows) == pytest.approx(0.3)
+    assert quality.max_rise([{"heldout_bpc": 3.0}, {"heldout_bpc": 2.0}]) == 0.0
+
+
+def test_quality_prints_both_figures_and_their_ratio(tmp_path, small_text, monkeypatch, capsys):
+    out = tmp_path / "q.json"
+    argv = ["quality.py", "--preset", "dev", "--examples", "320", "--cosine_batches", "1", "--json", str(out), "--data", str(small_text),
+            "--checkpoint_dir", str(tmp_path)]
+    for k, v in FAST.items():
+        if k != "max_windows":
+            argv += [f"--{k}", *map(str, v)] if isinstance(v, list) else [f"--{k}", str(v)]
+    monkeypatch.setattr(sys, "argv", argv)
+    quality.main()
+    text = capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    assert figures["ep"]["examples_seen"] == figures["exact"]["examples_seen"] == 320
+    assert figures["ratio"] == pytest.approx(figures["ep"]["heldout_bpc"] / figures["exact"]["heldout_bpc"])
+    assert f"ratio EP / exact: {figures['ratio']:.4f}" in text
+    assert "feed-forward backprop" in text and "EP cosine" in text
+    assert figures["cosine"]["energy"] > 0.99
+
+
+def test_production_preset_ep_update_tracks_the_exact_gradient():
+    """On real batches of the built-in corpus, at the preset's own window lengths, beta and dtype."""
+    cfg = benchmark_config("production", 16, ["--batch_size", "16"])
+    trainer = Trainer(cfg, log=lambda *_: None)
+    inputs, targets = trainer.next_batch()
+    with torch.no_grad():
+        est = trainer.learner.grads(inputs, targets).grads
+    ref, _ = exact_grads(trainer.machine, inputs, targets, cfg.tbptt_window_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+    keep = [i for i, n in enumerate(trainer.learner.names) if n[:2] in ("W_", "b_", "em")]
+    a = torch.cat([est[i].flatten() for i in keep])
+    b = torch.cat([ref[trainer.learner.names[i]].flatten() for i in keep])
+    assert cosine(a, b) > 0.999
