@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.autograd_reference import exact_grads, readout_loss  # noqa: E402
 from trainer2.cli import resolve_config, train_parser  # noqa: E402
 from trainer2.config import ConfigError, TrainConfig  # noqa: E402
-from trainer2.data import Sampler, heldout_batches  # noqa: E402
+from trainer2.data import DataError, Sampler, heldout_batches  # noqa: E402
 from trainer2.geometry import readout_frame, readout_loss_and_grads  # noqa: E402
 from trainer2.learning import Learner, StepResult, param_group  # noqa: E402
 from trainer2.machine import Machine, project_constraints  # noqa: E402
@@ -152,4 +152,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ConfigError, DataError) as e:
+        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)  # as the trainer's command line does

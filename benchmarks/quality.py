@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.ep_cosine import measure  # noqa: E402
 from benchmarks.exact_gradient_reference import benchmark_config, exact_trainer, train_feedforward  # noqa: E402
+from trainer2.config import ConfigError  # noqa: E402
+from trainer2.data import DataError  # noqa: E402
 from trainer2.trainer import Trainer  # noqa: E402
 
 
@@ -83,4 +85,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ConfigError, DataError) as e:
+        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)  # as the trainer's command line does
