@@ -1,60 +1,144 @@
-"""run_window: fused observables, the integrator's limits, and no allocation-dependent behaviour."""
+"""The window: fused observables, the fixed point as the leapfrog's special case, stacked nudged phases,
+the integrator's limits, and no allocation inside a window."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiny import tiny_batch, tiny_config, tiny_machine
+from trainer2.capture import step_tensors
 from trainer2.energy import energy, input_drive
+from trainer2.memory import MemoryBank
 from trainer2.relaxation import Relaxation
-from trainer2.window import run_window
+from trainer2.window import Integrator, Workspace, fixed_point_window, leapfrog_window, set_nudge_scale
 
 
-def primed_learner(**overrides):
-    cfg = tiny_config(**overrides)
+def primed(memory_capacity: int = 0, **overrides):
+    """A relaxation whose free phase ran once (frames, masks and drive in place)."""
+    cfg = tiny_config(memory_capacity=memory_capacity, **overrides)
     m = tiny_machine(cfg)
-    learner = Relaxation(m, cfg, cfg.batch_size)
+    bank = None
+    if memory_capacity:
+        bank = MemoryBank.allocate(memory_capacity, cfg.coord_dim_n, cfg.batch_size, m.readout.protos)
+        gen = torch.Generator().manual_seed(4)
+        bank.write(torch.randn(cfg.batch_size, cfg.coord_dim_n, generator=gen, dtype=torch.float64), torch.arange(cfg.batch_size) % 7)
+    relax = Relaxation(m, cfg, cfg.batch_size, bank)
     inputs, targets = tiny_batch(cfg)
     with torch.no_grad():
-        frame = learner.free_phase(inputs, targets).frame
-    return cfg, m, learner, frame, m.input_vectors(inputs)
+        free = relax.free_phase(inputs, targets)
+    return cfg, m, relax, free, m.input_vectors(inputs)
 
 
-def test_fused_lior_and_spd_equal_the_separate_computation():
-    cfg, m, learner, frame, _ = primed_learner(dt=0.3, gamma=0.5, mass=2.0)
-    ws = learner.ws
+def test_spd_history_equals_the_separate_computation():
+    cfg, m, relax, free, _ = primed(dt=0.3, gamma=0.5, mass=2.0)
+    ws = relax.ws
     ws.state.zero_()
-    ws.obs.zero_()
     qs = [ws.state.s[-1].clone()]
-    for _ in range(15):  # one step at a time, recording the trajectory of q
-        run_window(ws, m.energy, frame, 0.05, 1, learner.integ, cfg.eps)
+    for t in range(15):  # one step at a time, recording the trajectory of q
+        relax.window(ws, m.energy, free.frame, free.fold, t, 1, False, relax.integ, relax.one_hot)
         qs.append(ws.state.s[-1].clone())
-    fused = (ws.obs.lior.clone(), ws.obs.spd.clone(), ws.obs.spd_last.clone(), ws.obs.r_sum.clone())
-    metric = frame.rot.T @ torch.diag(m.readout.g_diag) @ frame.rot
-    spd = []
-    for a, b in zip(qs[:-1], qs[1:]):
-        v = (b - a) / cfg.dt
-        spd.append(torch.sqrt(((v @ metric) * v).sum(1) + cfg.eps))
-    spd = torch.stack(spd)
-    assert torch.allclose(fused[0], (m.readout.r_sc * spd * cfg.dt).sum(0), rtol=1e-10)
-    assert torch.allclose(fused[1], spd.sum(0), rtol=1e-10)
-    assert torch.allclose(fused[2], spd[-1], rtol=1e-10)
-    assert torch.allclose(fused[3], m.readout.r_sc * 15)
+    metric = free.frame.rot.T @ torch.diag(m.readout.g_diag) @ free.frame.rot
+    spd = torch.stack([torch.sqrt((((b - a) / cfg.dt @ metric) * (b - a) / cfg.dt).sum(1) + cfg.eps) for a, b in zip(qs[:-1], qs[1:])])
+    assert torch.allclose(ws.spd_hist[:15], spd, rtol=1e-10)
+
+
+def test_free_stats_are_the_lior_path_length_and_spd_of_the_window():
+    cfg, m, relax, free, _ = primed(tbptt_window_steps=9)
+    spd = relax.ws.spd_hist[:9]
+    stats = relax.free_stats()
+    assert torch.allclose(stats["lior_mean"], (m.readout.r_sc * cfg.dt * spd.sum(0)).mean())
+    assert torch.allclose(stats["spd_mean"], spd.sum(0).mean() / 9) and torch.allclose(stats["spd_last"], spd[8].mean())
+    assert torch.equal(stats["R_mean"], m.readout.r_sc)
 
 
 def test_unit_step_is_the_fixed_point_iteration():
-    cfg, m, learner, frame, x = primed_learner(dt=1.0, gamma=1.0, mass=1.0)
-    ws = learner.ws
-    ws.state.zero_()
+    cfg, m, relax, free, x = primed(dt=1.0, gamma=1.0, mass=1.0)
+    assert relax.integ.fixed_point and relax.window is fixed_point_window
+    ws = relax.ws
     gen = torch.Generator().manual_seed(0)
     h0 = torch.rand(ws.state.s[0].shape, generator=gen, dtype=torch.float64)
     q0 = torch.randn(ws.state.s[1].shape, generator=gen, dtype=torch.float64)
     ws.state.s[0].copy_(h0)
     ws.state.s[1].copy_(q0)
     (w1, wo), (b1, bo) = m.energy.weights, m.energy.biases
-    run_window(ws, m.energy, frame, 0.0, 1, learner.integ, cfg.eps)
+    relax.window(ws, m.energy, free.frame, free.fold, 0, 1, False, relax.integ, relax.one_hot)
     assert torch.allclose(ws.state.s[0], (x @ w1.T + b1 + q0 @ wo).clamp(0, 1))
     assert torch.allclose(ws.state.s[1], h0 @ wo.T + bo)
+
+
+@pytest.mark.parametrize("memory_capacity", [0, 10])  # one-hot readout, and candidates sharing labels
+@pytest.mark.parametrize("hidden", [[12], [9, 7, 6]])
+def test_fixed_point_window_is_the_leapfrog_at_unit_step(memory_capacity, hidden):
+    """Free and stacked nudged windows: the fixed point and the general leapfrog at dt = gamma = mass = 1 agree."""
+    cfg, m, relax, free, _ = primed(memory_capacity, hidden_sizes=hidden, tbptt_window_steps=20, nudge_steps=20, beta_nudge=0.05)
+    unit = Integrator(1.0, 1.0, 1.0)
+    sizes, k = m.state_sizes(), free.cand.coords.shape[0]
+    for src, nudged, steps in ((relax.ws, False, 20), (relax.ws_nudged, True, 20)):
+        rows = src.drive.shape[0]
+        betas = [cfg.beta_nudge, -cfg.beta_nudge] if nudged else [0.0]
+        fixed, leap = (Workspace.allocate(rows, sizes, k, steps, betas, m.readout.protos, f) for f in (True, False))
+        for ws in (fixed, leap):
+            ws.drive.copy_(torch.cat([relax.ws.drive] * len(betas)))
+            ws.target_mask.copy_(torch.cat([relax.ws.target_mask] * len(betas)))
+            for s, s0 in zip(ws.state.s, relax.s0.s):
+                s.copy_(torch.cat([s0] * len(betas)))
+        set_nudge_scale(fixed, free.fold, unit)
+        set_nudge_scale(leap, free.fold, Integrator(1.0, 1.0, 1.000001))  # the leapfrog's factor (-beta)
+        fixed_point_window(fixed, m.energy, free.frame, free.fold, 0, steps, nudged, unit, memory_capacity == 0)
+        leapfrog_window(leap, m.energy, free.frame, free.fold, 0, steps, nudged, unit, memory_capacity == 0)
+        for a, b in zip(fixed.state.s, leap.state.s):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(fixed.spd_hist, leap.spd_hist, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("dt", [1.0, 0.5])
+def test_stacked_nudged_phases_equal_each_phase_run_alone(dt):
+    cfg, m, relax, free, _ = primed(beta_nudge=0.02, nudge_steps=30, dt=dt)
+    with torch.no_grad():
+        relax.nudged_phases(free)
+    alone = {}
+    for beta in (cfg.beta_nudge, -cfg.beta_nudge):
+        ws = Workspace.allocate(cfg.batch_size, m.state_sizes(), free.cand.coords.shape[0], 30, [beta], m.readout.protos, relax.integ.fixed_point)
+        ws.drive.copy_(relax.ws.drive)
+        ws.target_mask.copy_(relax.ws.target_mask)
+        ws.state.copy_(relax.s0)
+        set_nudge_scale(ws, free.fold, relax.integ)
+        relax.window(ws, m.energy, free.frame, free.fold, 0, 30, True, relax.integ, relax.one_hot)
+        alone[beta] = ws.state.s
+    for a, b, c, d in zip(relax.s_plus, alone[cfg.beta_nudge], relax.s_minus, alone[-cfg.beta_nudge]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(c, d, rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(relax.s_plus[-1], relax.s_minus[-1])  # the two halves really are nudged apart
+
+
+class NewStorage(TorchDispatchMode):
+    """Records every op whose output is not a view of a storage that existed before."""
+
+    def __init__(self, known: set[int]) -> None:
+        super().__init__()
+        self.known, self.fresh = known, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.known:
+                self.fresh.append(func.__name__)
+        return out
+
+
+@pytest.mark.parametrize("memory_capacity", [0, 10])
+@pytest.mark.parametrize("dt", [1.0, 0.5])
+def test_a_window_allocates_nothing_after_warm_up(memory_capacity, dt):
+    cfg, m, relax, free, _ = primed(memory_capacity, dt=dt, hidden_sizes=[8, 6])
+    with torch.no_grad():
+        relax.nudged_phases(free)  # warm-up
+    known = {t.untyped_storage().data_ptr() for t in step_tensors([relax.ws, relax.ws_nudged, m.energy, free.frame, free.fold])}
+    for ws, nudged, steps in ((relax.ws, False, cfg.tbptt_window_steps), (relax.ws_nudged, True, cfg.nudge_steps)):
+        with torch.no_grad(), NewStorage(known) as spy:
+            relax.window(ws, m.energy, free.frame, free.fold, 0, steps, nudged, relax.integ, relax.one_hot)
+        assert spy.fresh == [], set(spy.fresh)
 
 
 def hamiltonian(m, x, state, mass):
@@ -62,11 +146,11 @@ def hamiltonian(m, x, state, mass):
 
 
 def test_stormer_verlet_energy_drift_stays_bounded_over_1000_steps():
-    cfg, m, learner, frame, x = primed_learner(dt=0.02, gamma=0.0, mass=1.0)
+    cfg, m, relax, free, x = primed(dt=0.02, gamma=0.0, mass=1.0)
     with torch.no_grad():  # an interior equilibrium, so the box never binds and E is a plain quadratic
         m.energy.biases[0].fill_(0.5)
         m.energy.weights[0].mul_(0.1)
-    ws = learner.ws
+    ws = relax.ws
     ws.state.zero_()
     ws.state.s[0].fill_(0.5)
     ws.state.s[1].copy_(ws.state.s[0] @ m.energy.weights[1].T + m.energy.biases[1])  # near rest: motion comes from p
@@ -78,7 +162,7 @@ def test_stormer_verlet_energy_drift_stays_bounded_over_1000_steps():
     kinetic0 = sum((p * p).sum(1) for p in ws.state.p) / (2 * cfg.mass)
     drift = []
     for _ in range(1000):
-        run_window(ws, m.energy, frame, 0.0, 1, learner.integ, cfg.eps)
+        relax.window(ws, m.energy, free.frame, free.fold, 0, 1, False, relax.integ, relax.one_hot)
         assert ((ws.state.s[0] > 0) & (ws.state.s[0] < 1)).all()
         drift.append((hamiltonian(m, x, ws.state, cfg.mass) - h0).abs().max())
     drift = torch.stack(drift)
@@ -88,5 +172,5 @@ def test_stormer_verlet_energy_drift_stays_bounded_over_1000_steps():
 
 
 def test_damping_settles_and_converges():
-    cfg, m, learner, frame, _ = primed_learner(tbptt_window_steps=200)
-    assert float(learner.ws.obs.spd_last.max()) < 1e-2  # spd at the last step is ~sqrt(eps) at rest
+    cfg, m, relax, free, _ = primed(tbptt_window_steps=200)
+    assert float(relax.ws.spd_hist[199].max()) < 1e-2  # spd at the last step is ~sqrt(eps) at rest

@@ -31,7 +31,7 @@ from trainer2.evaluation import resolve_device
 from trainer2.machine import build_machine
 from trainer2.memory import MemoryBank
 from trainer2.step import BatchStep, build_step
-from trainer2.window import run_window
+from trainer2.profiling import PhaseTimer
 
 MODES = ("eager", "graph", "compile", "compile+graph", "reduce-overhead")
 # Top-level CPU ops that launch no kernel: views and allocations.
@@ -166,18 +166,36 @@ def measure(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, m
     return [row for row, _ in prepared]
 
 
-def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int) -> tuple[float, float]:
-    """Kernels (ops on CPU) per step inside one eager run_window call of nudge_steps steps: (free, nudged)."""
-    relax = make_step(cfg, data, batch, device).relax
-    x, y = (t.to(device) for t in host_batches(data, batch, 1, cfg.seed)[0])
-    per_step = []
-    with torch.no_grad():
-        frame = relax.free_phase(x, y).frame
-        for beta in (0.0, cfg.beta_nudge):
-            kernels, _ = profile_call(lambda: run_window(relax.ws, relax.m.energy, frame, beta, cfg.nudge_steps,
-                                                         relax.integ, cfg.eps), device.type == "cuda")
-            per_step.append(kernels / cfg.nudge_steps)
-    return per_step[0], per_step[1]
+@dataclass
+class WindowCost:
+    """Eager cost of one batch step, by part: kernels (ops on CPU) per relaxation step in the free and the
+    nudged window (the nudged window relaxes every nudged phase at once), and milliseconds per phase."""
+
+    free_ops: float
+    nudged_ops: float
+    phase_ms: dict[str, float]
+
+
+@torch.no_grad()
+def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, windows: int) -> WindowCost:
+    """Profile one free and one nudged window of an eager step, then time `windows` eager steps by phase."""
+    step = make_step(cfg, data, batch, device)
+    relax = step.relax
+    feed = [(x.to(device), y.to(device)) for x, y in host_batches(data, batch, windows + 2, cfg.seed)]
+    free = relax.free_phase(*feed[0])
+    relax.nudged_phases(free)  # fills the nudged workspace once, as a step does
+    cuda = device.type == "cuda"
+    args = (relax.m.energy, free.frame, free.fold, 0)
+    k_free, _ = profile_call(lambda: relax.window(relax.ws, *args, cfg.tbptt_window_steps, False, relax.integ, relax.one_hot), cuda)
+    k_nudged, _ = profile_call(lambda: relax.window(relax.ws_nudged, *args, cfg.nudge_steps, True, relax.integ, relax.one_hot), cuda)
+    step.step(*feed[1])  # warm-up
+    timer = PhaseTimer(device, timing=True)
+    relax.phase = timer.phase
+    for x, y in feed[2:]:
+        step.step(x, y)
+    times = timer.collect(windows)
+    return WindowCost(k_free / cfg.tbptt_window_steps, k_nudged / cfg.nudge_steps,
+                      {k.removeprefix("time_").removesuffix("_ms"): v for k, v in times.items()})
 
 
 def fmt(v: float | None, spec: str) -> str:
@@ -185,7 +203,7 @@ def fmt(v: float | None, spec: str) -> str:
 
 
 def report(rows: list[Row], cfg: TrainConfig, device: torch.device, argv: list[str], windows: int, warmup: int,
-           per_window: tuple[float, float]) -> str:
+           cost: WindowCost) -> str:
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     unit = "kernels" if cuda else "ops"
@@ -209,7 +227,10 @@ def report(rows: list[Row], cfg: TrainConfig, device: torch.device, argv: list[s
         lines.append(f"{r.batch:>5}  {r.mode:<15} {r.windows_per_s:>10.2f} {r.windows_per_s * r.batch:>11.1f} {ratio:>8} "
                      f"{fmt(r.kernels_per_step, '.1f'):>12} {fmt(r.launches_per_step if cuda else None, '.1f'):>13} {r.setup_s:>8.1f}")
     lines += ["", f"{unit}/step: one profiled batch step (free, nudged, update, memory write) / {relax_steps(cfg)} relaxation steps; "
-              f"eager run_window alone: {per_window[0]:.1f} (free) / {per_window[1]:.1f} (nudged) {unit} per relaxation step."]
+              f"eager windows alone: {cost.free_ops:.1f} {unit} per free relaxation step, {cost.nudged_ops:.1f} per nudged step "
+              f"({'both nudged phases stacked in one batch' if cfg.symmetric_nudge else 'one nudged phase'}).",
+              f"eager phases, ms per window at batch {rows[0].batch if rows else '-'}: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in cost.phase_ms.items())]
     if not cuda:
         lines.append("ops = top-level aten ops that run a kernel, plus inductor C++ kernels; launches/step is a CUDA figure.")
     return "\n".join(lines)
@@ -248,7 +269,7 @@ def run(argv: list[str]) -> tuple[list[Row], str]:
         rows += measure(cfg, data, device, b, args.modes, args.windows, warmup, args.rounds)
         for r in rows[-len(args.modes):]:
             print(f"  batch {b} {r.mode}: {fmt(r.windows_per_s, '.2f')} windows/s {r.note}".rstrip(), file=sys.stderr, flush=True)
-    return rows, report(rows, cfg, device, argv, args.windows, warmup, window_only(cfg, data, device, sizes[0]))
+    return rows, report(rows, cfg, device, argv, args.windows, warmup, window_only(cfg, data, device, sizes[0], args.windows))
 
 
 def main(argv: list[str] | None = None) -> int:

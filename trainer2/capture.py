@@ -30,10 +30,9 @@ def reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def step_tensors(step: BatchStep) -> list[Tensor]:
-    """Every tensor a batch step reads or writes in place (parameters, update state, memory, workspace), once each.
-
-    Walks the step's parts: dataclasses, trainer2 objects, lists, tuples and dicts."""
+def step_tensors(step: object) -> list[Tensor]:
+    """Every tensor a batch step (or any part of one) reads or writes in place (parameters, update state, memory,
+    workspace), once each. Walks dataclasses, trainer2 objects, lists, tuples and dicts."""
     found: dict[int, Tensor] = {}
     seen: set[int] = set()
 

@@ -1,7 +1,7 @@
-"""The relaxation of one batch: workspace, free and nudged phases, window statistics and held-out scoring.
+"""The relaxation of one batch: workspaces, free and nudged phases, window statistics and held-out scoring.
 
 This is everything evaluation and sampling need; it holds no update state. `Relaxation` owns the
-preallocated workspace for one batch size, so its phases allocate nothing inside `run_window`.
+preallocated workspaces for one batch size, so its windows allocate nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from trainer2.energy import input_drive
 from trainer2.geometry import Candidates, ReadoutFrame, class_onehot, readout_frame, readout_weights
 from trainer2.machine import Machine
 from trainer2.memory import MemoryBank
-from trainer2.window import Integrator, Phase, Workspace, run_window
+from trainer2.window import FoldedFrame, Integrator, State, Workspace, fold_frame, set_nudge_scale, window_function
 
 
 @dataclass
@@ -36,24 +36,34 @@ class WindowStats:
 @dataclass
 class FreeState:
     """What the free phase fixes for the rest of the batch: the clamped input x (B, D), the readout frame
-    and the retrieval candidates. The equilibrium itself is in `Relaxation.s0`."""
+    (and its folded matrices) and the retrieval candidates. The equilibrium itself is in `Relaxation.s0`."""
 
     x: Tensor
     frame: ReadoutFrame
+    fold: FoldedFrame
     cand: Candidates
 
 
 class Relaxation:
-    """Workspace and saved phases (s0, s_plus, s_minus) for one batch size; phases run through `run_window`."""
+    """Workspaces and the saved free equilibrium s0 for one batch size. The free phase relaxes B rows; the
+    nudged phases relax one workspace of 2B rows (+beta, then -beta), or B rows with one-sided nudging."""
 
     def __init__(self, machine: Machine, cfg: TrainConfig, batch: int, memory: MemoryBank | None = None) -> None:
         self.m, self.cfg, self.batch, self.memory = machine, cfg, batch, memory
         like = machine.readout.protos
         sizes = machine.state_sizes()
         num_cand = machine.num_classes + (0 if memory is None else memory.coords.shape[0])
-        self.ws = Workspace.allocate(batch, sizes, num_cand, like)
-        self.s0, self.s_plus, self.s_minus = (Phase.zeros(batch, sizes, like) for _ in range(3))
         self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass)
+        self.window = window_function(self.integ)  # chosen once per run, not per step
+        self.one_hot = memory is None  # every label has exactly one candidate, its prototype
+        betas = [cfg.beta_nudge, -cfg.beta_nudge] if cfg.symmetric_nudge else [cfg.beta_nudge]
+        self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.tbptt_window_steps, [0.0], like, self.integ.fixed_point)
+        self.ws_nudged = Workspace.allocate(len(betas) * batch, sizes, num_cand, cfg.nudge_steps, betas, like, self.integ.fixed_point)
+        self.phases = len(betas)
+        self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
+        # The nudged equilibria, as views of the stacked workspace: rows [0, B) are +beta, [B, 2B) -beta.
+        self.s_plus = [t[:batch] for t in self.ws_nudged.state.s]
+        self.s_minus = [t[batch:] for t in self.ws_nudged.state.s] if cfg.symmetric_nudge else self.s0.s
         # Observability hooks (trainer2.telemetry): a timed/labelled context per phase, and progress
         # inside a window, on_steps(phase, step, steps, spd_last, lior), every progress_every steps.
         self.phase: Callable[[str], AbstractContextManager[None]] = lambda name: nullcontext()
@@ -69,43 +79,55 @@ class Relaxation:
         return protos if self.memory is None else self.memory.candidates(protos)
 
     def free_phase(self, inputs: Tensor, targets: Tensor) -> FreeState:
-        """Clamp the input, relax T_free steps from rest; leaves s0 in self.s0 and the window's sums in ws.obs."""
+        """Clamp the input, relax T_free steps from rest; leaves s0 in self.s0 and the window's spd in ws.spd_hist."""
         m, ws, cfg = self.m, self.ws, self.cfg
         x = m.input_vectors(inputs)
         cand = self.candidates()
         frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
+        fold = fold_frame(m.energy, frame, cfg.eps)
         onehot = class_onehot(cand.labels, m.num_classes, x.dtype)  # (K, V)
         ws.target_mask.copy_(onehot[:, targets].T)
         input_drive(x, m.energy, ws.drive)
         ws.state.zero_()
-        ws.obs.zero_()
-        self.relax(frame, 0.0, cfg.tbptt_window_steps, "free")
+        free = FreeState(x, frame, fold, cand)
+        self.relax(ws, free, cfg.tbptt_window_steps, False, "free")
         self.s0.copy_(ws.state)
-        return FreeState(x, frame, cand)
+        return free
 
     def free_stats(self) -> dict[str, Tensor]:
-        """The free window's observables from ws.obs (call right after free_phase): batch means, 0-dim."""
-        obs, steps = self.ws.obs, self.cfg.tbptt_window_steps
-        return {"lior_mean": obs.lior.mean(), "spd_mean": obs.spd.mean() / steps, "spd_last": obs.spd_last.mean(),
-                "R_mean": obs.r_sum / steps}
+        """The free window's observables (call right after free_phase): batch means, 0-dim."""
+        steps, r_sc = self.cfg.tbptt_window_steps, self.m.readout.r_sc
+        spd = self.ws.spd_hist[:steps]  # (T, B)
+        spd_sum = spd.sum(0)
+        return {"lior_mean": spd_sum.mean() * (r_sc * self.cfg.dt), "spd_mean": spd_sum.mean() / steps,
+                "spd_last": spd[steps - 1].mean(), "R_mean": r_sc.clone()}
 
-    def nudged_phase(self, frame: ReadoutFrame, beta: float, out: Phase) -> None:
-        """Relax T_nudge steps from s0 on E + beta * loss; the result goes to `out`, the path length adds to ws.obs."""
-        self.ws.state.copy_(self.s0)
-        self.relax(frame, beta, self.cfg.nudge_steps, "nudged")
-        out.copy_(self.ws.state)
+    def nudged_phases(self, free: FreeState) -> None:
+        """Relax T_nudge steps from s0 on E + beta * loss, every nudged phase at once (stacked rows)."""
+        ws, k = self.ws_nudged, self.phases
+        ws.target_mask.view(k, self.batch, -1).copy_(self.ws.target_mask)
+        ws.drive.view(k, self.batch, -1).copy_(self.ws.drive)
+        for dst, src in zip(ws.state.tensors(), self.s0.tensors(), strict=True):
+            dst.view(k, self.batch, -1).copy_(src)
+        set_nudge_scale(ws, free.fold, self.integ)
+        self.relax(ws, free, self.cfg.nudge_steps, True, "nudged")
 
-    def relax(self, frame: ReadoutFrame, beta: float, steps: int, name: str) -> None:
-        """run_window for `steps` steps; with on_steps set, in chunks of progress_every steps, each followed
+    def nudged_lior(self) -> Tensor:
+        """Mean LIoR path length of the nudged phases (0-dim), after nudged_phases."""
+        return self.ws_nudged.spd_hist[:self.cfg.nudge_steps].sum(0).mean() * (self.m.readout.r_sc * self.cfg.dt)
+
+    def relax(self, ws: Workspace, free: FreeState, steps: int, nudged: bool, name: str) -> None:
+        """The window for `steps` steps; with on_steps set, in chunks of progress_every steps, each followed
         by one transfer of [spd_last mean, lior mean] (the chunks give the same result as one window)."""
-        ws, every = self.ws, self.progress_every
+        every, args = self.progress_every, (self.m.energy, free.frame, free.fold)
         if self.on_steps is None or every < 1:
-            run_window(ws, self.m.energy, frame, beta, steps, self.integ, self.cfg.eps)
+            self.window(ws, *args, 0, steps, nudged, self.integ, self.one_hot)
             return
         for done in range(0, steps, every):
             n = min(every, steps - done)
-            run_window(ws, self.m.energy, frame, beta, n, self.integ, self.cfg.eps)
-            spd_last, lior = torch.stack([ws.obs.spd_last.mean(), ws.obs.lior.mean()]).tolist()
+            self.window(ws, *args, done, n, nudged, self.integ, self.one_hot)
+            lior = ws.spd_hist[:done + n].sum(0).mean() * (self.m.readout.r_sc * self.cfg.dt)
+            spd_last, lior = torch.stack([ws.spd_hist[done + n - 1].mean(), lior]).tolist()
             self.on_steps(name, done + n, steps, spd_last, lior)
 
     def readout_scores(self, free: FreeState) -> tuple[Tensor, Tensor]:

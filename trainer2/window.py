@@ -1,14 +1,26 @@
-"""The hot loop: `run_window`, T steps of damped leapfrog on E + beta * loss over a preallocated workspace.
+"""The hot loop: a window of relaxation steps on E + beta * loss over a preallocated workspace.
 
-    p <- (1 - gamma dt) p + dt F(s),   F = -dE/ds - beta dloss/dq
-    s <- box(s + dt p / mass)
+Two integrators, chosen once per run (`window_function`):
 
-Every tensor a step touches lives in `Workspace`; a step allocates nothing, never syncs with the
-host and never branches on a tensor value, so a window can be captured as a CUDA graph and replayed.
+    damped leapfrog:  p <- (1 - gamma dt) p + dt F(s),  s <- box(s + dt p / mass),  F = -dE/ds - beta dloss/dq
+    fixed point:      s_i <- box(W_i s_{i-1} + b_i + W_{i+1}^T s_{i+1}) - beta dloss/dq on q
+
+The fixed point is the leapfrog's exact special case dt = gamma = mass = 1 (the momentum is forgotten
+every step, so p = F and s + F is the local minimiser); it needs no momenta and no force buffers.
+Both update every layer from the previous state (Jacobi), so they give the same trajectory.
+
+A workspace holds R rows: the batch (free phase) or the +beta and -beta nudged phases stacked (2B
+rows with a per-row beta, so both nudged phases cost one set of operators). Every tensor a step touches
+lives in the workspace; a step allocates nothing, never syncs with the host and never branches on a
+tensor value, so a window can be captured as a CUDA graph and replayed. The speed of the velocity,
+spd = sqrt(g(v, v) + eps), is written to one row of `spd_hist` per step; the LIoR path length is
+R_sc dt sum(spd) and is formed once, after the window.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,94 +39,242 @@ class Integrator:
     gamma: float
     mass: float
 
+    @property
+    def fixed_point(self) -> bool:
+        return self.dt == 1.0 and self.gamma == 1.0 and self.mass == 1.0
+
 
 @dataclass
-class Phase:
-    """A state of the machine: positions s = (h_1..h_M, q) and momenta p, each (B, H_i)."""
+class State:
+    """Positions s = (h_1..h_M, q) and momenta p, each (R, H_i); momenta are empty for the fixed point, which has none."""
 
     s: list[Tensor]
     p: list[Tensor]
 
     @staticmethod
-    def zeros(batch: int, sizes: list[int], like: Tensor) -> "Phase":
+    def zeros(rows: int, sizes: list[int], like: Tensor, momenta: bool = True) -> "State":
         def new() -> list[Tensor]:
-            return [torch.zeros(batch, h, dtype=like.dtype, device=like.device) for h in sizes]
+            return [torch.zeros(rows, h, dtype=like.dtype, device=like.device) for h in sizes]
 
-        return Phase(new(), new())
+        return State(new(), new() if momenta else [])
 
-    def copy_(self, other: "Phase") -> None:
-        for a, b in zip(self.s + self.p, other.s + other.p):
-            a.copy_(b)
+    def tensors(self) -> list[Tensor]:
+        return self.s + self.p
+
+    def copy_(self, other: "State") -> None:
+        torch._foreach_copy_(self.tensors(), other.tensors())
 
     def zero_(self) -> None:
-        for t in self.s + self.p:
-            t.zero_()
+        torch._foreach_zero_(self.tensors())
 
 
 @dataclass
-class Observables:
-    """Per-window LIoR accumulators (B,): path length sum R_sc spd dt, sum of spd, last spd; and sum of R_sc."""
+class FoldedFrame:
+    """The readout and the top coupling folded into matrices once per batch, for the fixed-point step.
 
-    lior: Tensor
-    spd: Tensor
-    spd_last: Tensor
-    r_sum: Tensor  # 0-dim
+    With L = diag(sqrt g) R, y = q L^T are coordinates in which the metric is Euclidean, A = L^T L and
+    C_k = c_k A the candidates seen from q. h_M @ mh_* + q @ mq_* + b_* gives dq (the step of q without
+    the nudge) and either the velocity's frame [dq L^T | sqrt(eps)] (free) or y and q A (nudged)."""
 
-    def zero_(self) -> None:
-        for t in (self.lior, self.spd, self.spd_last, self.r_sum):
-            t.zero_()
+    mh_free: Tensor  # (H_M, 2n + 1) h_M -> [dq | zv]
+    mq_free: Tensor  # (n, 2n + 1)   q -> [dq | zv]
+    b_free: Tensor  # (2n + 1,)
+    mh_nudge: Tensor  # (H_M, 3n) h_M -> [dq | y | qA]
+    mq_nudge: Tensor  # (n, 3n)   q -> [dq | y | qA]
+    b_nudge: Tensor  # (3n,)
+    lt: Tensor  # (n, n + 1) [L^T | 0]
+    c: Tensor  # (n + 1,) [0 .. 0, sqrt(eps)]: |dq L^T, sqrt(eps)| = spd
+    yc2: Tensor  # (n, K) -2 Yc^T
+    cc: Tensor  # (K,) |yc_k|^2 + eps
+    caug: Tensor  # (K, n + 1) [-C | 1]: w @ caug = [-w C | sum w]
+    bias: Tensor  # (K,) logit bias (0, or -inf for an empty memory slot)
+    neg_scale: Tensor  # 0-dim -retrieval_beta * R_sc
+
+
+def fold_frame(p: EnergyParams, f: ReadoutFrame, eps: float) -> FoldedFrame:
+    """Per batch (outside the window): the matrices of `FoldedFrame` from the top coupling and the readout frame."""
+    w, b = p.weights[-1], p.biases[-1]  # (n, H_M), (n,)
+    n, h = w.shape
+    sg = f.g.sqrt()
+    lmat = sg[:, None] * f.rot  # L (n, n)
+    lt = lmat.T
+    amat = lt @ lmat
+    yc = f.zc * sg  # (K, n)
+    like = dict(dtype=w.dtype, device=w.device)
+    eye = torch.eye(n, **like)
+    zcol = torch.zeros(n, 1, **like)
+    lt_aug = torch.cat([lt, zcol], 1)
+    dq_map = torch.cat([w.T, -eye], 0)  # (H_M + n, n)
+    m_free = torch.cat([dq_map, dq_map @ lt_aug], 1)
+    c = torch.cat([torch.zeros(n, **like), torch.full((1,), math.sqrt(eps), **like)])
+    b_free = torch.cat([b, b @ lt_aug + c])
+    m_nudge = torch.cat([dq_map, torch.cat([torch.zeros(h, 2 * n, **like), torch.cat([lt, amat], 1)], 0)], 1)
+    b_nudge = torch.cat([b, torch.zeros(2 * n, **like)])
+    caug = torch.cat([-(yc @ lmat), torch.ones(yc.shape[0], 1, **like)], 1)
+    return FoldedFrame(m_free[:h].contiguous(), m_free[h:].contiguous(), b_free, m_nudge[:h].contiguous(), m_nudge[h:].contiguous(), b_nudge, lt_aug, c, -2.0 * yc.T.contiguous(), (yc * yc).sum(1) + eps,
+                       caug, f.bias, f.neg_scale)
 
 
 @dataclass
 class Workspace:
-    """Everything run_window touches, allocated once for a fixed batch size."""
+    """Everything a window touches, allocated once for R rows and at most T steps."""
 
-    state: Phase  # the running state
-    force: list[Tensor]  # (B, H_i) -dE/ds_i
-    drive: Tensor  # (B, H_1) W_1 x + b_1, filled before the window
-    target_mask: Tensor  # (B, K) 1 where candidate k carries the example's label
-    nudge: Tensor  # (B, n) dloss/dq
-    zv: Tensor  # (B, n) velocity of q in the metric's frame
-    spd_step: Tensor  # (B,) spd of this step
+    state: State  # the running state
+    drive: Tensor  # (R, H_1) W_1 x + b_1, filled before the window
+    target_mask: Tensor  # (R, K) 1 where candidate k carries the example's label
+    beta_sign: Tensor  # (R, 1) the nudging strength of each row (+beta, -beta or 0), fixed at allocation
+    beta_col: Tensor  # (R, 1) per-row factor of the q nudge, set once per batch
+    spd_hist: Tensor  # (T, R) spd of every step
+    spd_rows: list[Tensor]  # the rows of spd_hist, made once (a step writes one)
+    # fixed point
+    out_free: Tensor  # (R, 2n + 1) [dq | zv]
+    out: Tensor  # (R, 3n) [dq | y | qA]
+    dq_free: Tensor  # views of the two
+    zv_free: Tensor
+    dq: Tensor
+    y: Tensor
+    qa: Tensor
+    temp: list[Tensor]  # (R, H_i) new lower hidden layers h_1..h_{M-1} (Jacobi); empty for one hidden layer
+    zv: Tensor  # (R, n + 1)
+    ny: Tensor  # (R, 1) |y|
+    rspd: Tensor  # (R, K) 1 / spd(q - c_k)
+    logit: Tensor  # (R, K)
+    pi: Tensor  # (R, K)
+    w: Tensor  # (R, K) dloss/dcost_k / (beta_r R_sc spd_k)
+    py: Tensor  # (R, 1)
+    wc: Tensor  # (R, n + 1) [-w C | sum w]
+    nudge: Tensor  # (R, n)
+    # leapfrog (and scoring)
+    force: list[Tensor]  # (R, H_i) -dE/ds_i; empty for the fixed point
+    gnudge: Tensor  # (R, n) dloss/dq
     readout: ReadoutScratch
-    obs: Observables
 
     @staticmethod
-    def allocate(batch: int, sizes: list[int], num_candidates: int, like: Tensor) -> "Workspace":
-        """sizes = [H_1, ..., H_M, n]."""
-        n = sizes[-1]
+    def allocate(rows: int, sizes: list[int], num_candidates: int, steps: int, betas: list[float], like: Tensor, fixed: bool) -> "Workspace":
+        """sizes = [H_1, ..., H_M, n]; betas: one nudging strength per block of rows (e.g. [0], [b] or [b, -b]);
+        fixed: for the fixed-point window (no momenta, no forces) rather than the leapfrog."""
+        n, k = sizes[-1], num_candidates
 
         def new(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
-        obs = Observables(new(batch), new(batch), new(batch), new())
+        out, out_free = new(rows, 3 * n), new(rows, 2 * n + 1)
+        spd_hist = new(steps, rows)
+        wc = new(rows, n + 1)
+        per = rows // len(betas)
+        beta_sign = torch.cat([torch.full((per, 1), b, dtype=like.dtype, device=like.device) for b in betas])
         return Workspace(
-            Phase.zeros(batch, sizes, like), [new(batch, h) for h in sizes], new(batch, sizes[0]),
-            new(batch, num_candidates), new(batch, n), new(batch, n), new(batch),
-            ReadoutScratch.allocate(batch, n, num_candidates, like), obs,
+            state=State.zeros(rows, sizes, like, momenta=not fixed), drive=new(rows, sizes[0]), target_mask=new(rows, k),
+            beta_sign=beta_sign, beta_col=new(rows, 1), spd_hist=spd_hist, spd_rows=list(spd_hist.unbind(0)),
+            out_free=out_free, out=out, dq_free=out_free[:, :n], zv_free=out_free[:, n:], dq=out[:, :n], y=out[:, n:2 * n],
+            qa=out[:, 2 * n:], temp=[new(rows, h) for h in sizes[:-2]] if fixed else [],
+            zv=new(rows, n + 1), ny=new(rows, 1), rspd=new(rows, k), logit=new(rows, k), pi=new(rows, k), w=new(rows, k),
+            py=new(rows, 1), wc=wc, nudge=new(rows, n),
+            force=[] if fixed else [new(rows, h) for h in sizes], gnudge=new(rows, n),
+            readout=ReadoutScratch.allocate(rows, n, k, like),
         )
 
 
-def run_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame, beta: float, steps: int, integ: Integrator, eps: float) -> None:
-    """Advance ws.state by `steps` leapfrog steps with nudging strength beta, accumulating ws.obs."""
+WindowFn = Callable[[Workspace, EnergyParams, ReadoutFrame, FoldedFrame, int, int, bool, Integrator, bool], None]
+
+
+def fixed_point_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame, fold: FoldedFrame, start: int, steps: int,
+                       nudged: bool, integ: Integrator, one_hot: bool) -> None:
+    """`steps` fixed-point steps from ws.state (steps start .. start + steps - 1 of the window).
+
+    Per step and hidden layer one addmm (two for a layer with a layer above it) and one clamp; one matmul
+    for q and its velocity; with nudging, the readout's force from the same matmul's y and qA. one_hot:
+    every label has exactly one candidate (no memory bank), so mask * pi / p_y is the mask itself."""
+    s, w_, b_ = ws.state.s, params.weights, params.biases
+    last = len(s) - 1
+    top, q = s[last - 1], s[last]  # h_M is updated in place: only q reads it, and q's step is formed first
+    for t in range(start, start + steps):
+        if nudged:
+            torch.addmm(fold.b_nudge, top, fold.mh_nudge, out=ws.out).addmm_(q, fold.mq_nudge)  # [dq | y | qA]
+        else:
+            torch.addmm(fold.b_free, top, fold.mh_free, out=ws.out_free).addmm_(q, fold.mq_free)  # [dq | zv]
+        # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q).
+        for i, out in enumerate(ws.temp):
+            if i == 0:
+                torch.addmm(ws.drive, s[1], w_[1], out=out)
+            else:
+                torch.addmm(b_[i], s[i - 1], w_[i].T, out=out).addmm_(s[i + 1], w_[i + 1])
+        if last == 1:
+            torch.addmm(ws.drive, q, w_[last], out=top)
+        else:
+            torch.addmm(b_[last - 1], s[last - 2], w_[last - 1].T, out=top).addmm_(q, w_[last])
+        top.clamp_(0.0, 1.0)
+        if ws.temp:
+            torch._foreach_clamp_min_(ws.temp, 0.0)
+            torch._foreach_clamp_max_(ws.temp, 1.0)
+            torch._foreach_copy_(s[:last - 1], ws.temp)
+        if nudged:
+            readout_nudge(ws, fold, one_hot)
+            ws.dq.addcmul_(ws.nudge, ws.beta_col)
+            q.add_(ws.dq)
+            torch.addmm(fold.c, ws.dq, fold.lt, out=ws.zv)
+            torch.linalg.vector_norm(ws.zv, dim=1, out=ws.spd_rows[t])
+        else:
+            q.add_(ws.dq_free)
+            torch.linalg.vector_norm(ws.zv_free, dim=1, out=ws.spd_rows[t])
+
+
+def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
+    """ws.nudge (R, n) = sum_k w_k (qA - C_k), the readout's pull at the old q up to the factor beta_r R_sc,
+    from ws.y and ws.qa; w_k = (mask_k pi_k / p_y - pi_k) / spd_k."""
+    rspd = ws.rspd
+    torch.addmm(fold.cc, ws.y, fold.yc2, out=rspd)  # |yc|^2 + eps - 2 y.yc
+    torch.linalg.vector_norm(ws.y, dim=1, keepdim=True, out=ws.ny)
+    rspd.addcmul_(ws.ny, ws.ny).clamp_(min=0.0).rsqrt_()  # 1 / spd(q - c_k); the clamp guards rounding
+    torch.addcdiv(fold.bias, fold.neg_scale, rspd, out=ws.logit)  # bias - beta_r R_sc spd
+    torch.ops.aten._softmax.out(ws.logit, 1, False, out=ws.pi)
+    if one_hot:
+        torch.sub(ws.target_mask, ws.pi, out=ws.w).mul_(rspd)
+    else:
+        torch.mul(ws.pi, ws.target_mask, out=ws.w)
+        torch.sum(ws.w, dim=1, keepdim=True, out=ws.py)
+        ws.w.div_(ws.py).sub_(ws.pi).mul_(rspd)
+    n = ws.nudge.shape[1]
+    torch.mm(ws.w, fold.caug, out=ws.wc)  # [-w C | sum w]
+    torch.addcmul(ws.wc[:, :n], ws.wc[:, n:], ws.qa, out=ws.nudge)
+
+
+def leapfrog_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame, fold: FoldedFrame, start: int, steps: int,
+                    nudged: bool, integ: Integrator, one_hot: bool) -> None:
+    """`steps` damped-leapfrog steps from ws.state (any dt, gamma, mass); nudged rows pull q by -beta dloss/dq."""
     s, p, f = ws.state.s, ws.state.p, ws.force
     decay, kick, drift = 1.0 - integ.gamma * integ.dt, integ.dt, integ.dt / integ.mass
     last = len(s) - 1
-    for _ in range(steps):
+    for t in range(start, start + steps):
         forces(s, ws.drive, params, f)
-        if beta != 0.0:
-            readout_force(s[last], frame, ws.target_mask, ws.readout, ws.nudge)
-            f[last].sub_(ws.nudge, alpha=beta)
+        if nudged:
+            readout_force(s[last], frame, ws.target_mask, ws.readout, ws.gnudge)
+            f[last].addcmul_(ws.gnudge, ws.beta_col)
         for i in range(len(s)):
             p[i].mul_(decay).add_(f[i], alpha=kick)
             s[i].add_(p[i], alpha=drift)
             if i < last:
                 s[i].clamp_(0.0, 1.0)
-        # Fused LIoR observables of v = (q_t - q_{t-1}) / dt = p_q / mass (q is never clamped).
-        torch.mm(p[last], frame.rot.T, out=ws.zv)
-        torch.mv(ws.zv.mul_(ws.zv), frame.g, out=ws.spd_step)
-        ws.spd_step.div_(integ.mass**2).add_(eps).sqrt_()
-        ws.obs.lior.addcmul_(ws.spd_step, frame.r_sc, value=integ.dt)
-        ws.obs.spd.add_(ws.spd_step)
-        ws.obs.r_sum.add_(frame.r_sc)
-        ws.obs.spd_last.copy_(ws.spd_step)
+        # v = (q_t - q_{t-1}) / dt = p_q / mass (q is never clamped); spd = |v L^T, sqrt(eps)|.
+        torch.addmm(fold.c, p[last], fold.lt, alpha=1.0 / integ.mass, out=ws.zv)
+        torch.linalg.vector_norm(ws.zv, dim=1, out=ws.spd_rows[t])
+
+
+def set_nudge_scale(ws: Workspace, fold: FoldedFrame, integ: Integrator) -> None:
+    """Per batch: the factor of each row's q nudge. The fixed point adds beta_col * ws.nudge, where ws.nudge lacks
+    beta_r R_sc (so beta_col = -beta * beta_r * R_sc); the leapfrog adds beta_col * dloss/dq (beta_col = -beta)."""
+    if integ.fixed_point:
+        torch.mul(ws.beta_sign, fold.neg_scale, out=ws.beta_col)
+    else:
+        torch.neg(ws.beta_sign, out=ws.beta_col)
+
+
+def window_function(integ: Integrator) -> WindowFn:
+    """The integrator's window, chosen once per run."""
+    return fixed_point_window if integ.fixed_point else leapfrog_window
+
+
+def run_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame, fold: FoldedFrame, steps: int, integ: Integrator,
+               nudged: bool, one_hot: bool, start: int = 0) -> None:
+    """Advance ws.state by `steps` steps (window steps start .. start + steps - 1), writing spd_hist rows."""
+    window_function(integ)(ws, params, frame, fold, start, steps, nudged, integ, one_hot)
