@@ -262,6 +262,21 @@ def test_npz_not_loadable(tmp_path: Path, content: bytes) -> None:
     assert path in str(err.value)
 
 
+def test_npy_renamed_npz_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "x.npz"
+    np.save(tmp_path / "x.npy", np.zeros((4, 2)))
+    (tmp_path / "x.npy").rename(path)  # was a TypeError traceback
+    with pytest.raises(DataError, match=r"not an \.npz archive but a single array \(an \.npy file renamed\?\)") as err:
+        load_dataset(str(path), context_len=4)
+    assert str(path) in str(err.value)
+
+
+def test_npz_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "d.npz").mkdir()
+    with pytest.raises(DataError, match="is a directory"):
+        load_dataset(str(tmp_path / "d.npz"), context_len=4)
+
+
 def test_npz_missing_file(tmp_path: Path) -> None:
     path = str(tmp_path / "absent.npz")
     with pytest.raises(DataError) as err:

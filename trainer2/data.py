@@ -234,10 +234,13 @@ def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Validated (x [N, D] float or int, y [N] int >= 0) from an .npz.
 
     Every problem becomes a DataError naming the path."""
+    _check_file(path, "an .npz feature file with arrays 'x' and 'y'")
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            if not isinstance(archive, np.lib.npyio.NpzFile):
-                raise DataError(f"{path}: not an .npz archive; expected arrays 'x' and 'y' saved with numpy.savez")
+        archive = np.load(path, allow_pickle=False, mmap_mode="r")  # mmap: a big .npy is refused without reading it
+        if not isinstance(archive, np.lib.npyio.NpzFile):  # e.g. a single .npy array renamed .npz
+            raise DataError(f"{path}: not an .npz archive but a single array (an .npy file renamed?); "
+                            "expected arrays 'x' and 'y' saved with numpy.savez")
+        with archive:
             for key in ("x", "y"):
                 if key not in archive.files:
                     found = sorted(archive.files)
