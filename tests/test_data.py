@@ -343,6 +343,18 @@ def test_sampler_state_dict_round_trip() -> None:
     assert restored.epoch == sampler.epoch == 3
 
 
+@pytest.mark.parametrize("draws", range(10))
+def test_sampler_resumes_exactly_from_any_position(draws: int) -> None:
+    # 4 batches per epoch: saves at the start, middle and end of epochs 0-2, each loaded into a fresh sampler.
+    sampler = Sampler(num_examples=17, batch_size=4, seed=11)
+    for _ in range(draws):
+        sampler.next()
+    restored = Sampler(num_examples=17, batch_size=4, seed=0)
+    restored.load_state_dict(sampler.state_dict())
+    assert all(torch.equal(sampler.next(), restored.next()) for _ in range(12))
+    assert restored.epoch == sampler.epoch
+
+
 def test_sampler_state_dict_is_a_snapshot() -> None:
     sampler = Sampler(num_examples=9, batch_size=3, seed=0)
     state = sampler.state_dict()

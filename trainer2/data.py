@@ -293,22 +293,25 @@ class Sampler:
         self.batches_per_epoch = num_examples // batch_size
         self.epoch = 0
         self._generator = torch.Generator().manual_seed(seed)
-        self._new_permutation()
-
-    def _new_permutation(self) -> None:
-        """Draw the next epoch's order, remembering the generator state it was drawn from."""
         self._epoch_start = self._generator.get_state()
-        # int32 halves the memory and gives the same permutation as int64 (randperm's draws do not depend on it).
-        dtype = torch.int32 if self.num_examples < 2**31 else torch.int64
-        self._perm = torch.randperm(self.num_examples, generator=self._generator, dtype=dtype)
-        self._pos = 0
+        self._perm: torch.Tensor | None = None  # drawn on first use: a sampler about to be loaded (resume,
+        self._pos = 0  # evaluate, sample) never draws a permutation it would throw away
+
+    def _permutation(self) -> torch.Tensor:
+        """This epoch's order, drawn on first use from the generator, which then sits at the epoch's start."""
+        if self._perm is None:
+            # int32 halves the memory and gives the same permutation as int64 (randperm's draws do not depend on it).
+            dtype = torch.int32 if self.num_examples < 2**31 else torch.int64
+            self._perm = torch.randperm(self.num_examples, generator=self._generator, dtype=dtype)
+        return self._perm
 
     def next(self) -> torch.Tensor:
         """Next int64 [batch_size] of example indices; the ragged tail of each epoch is dropped so shapes stay fixed."""
         if self._pos + self.batch_size > self.num_examples:
-            self._new_permutation()
+            self._permutation()  # the generator must be past this epoch's draw before the next epoch starts
+            self._epoch_start, self._perm, self._pos = self._generator.get_state(), None, 0
             self.epoch += 1
-        batch = self._perm[self._pos : self._pos + self.batch_size].to(torch.int64)
+        batch = self._permutation()[self._pos : self._pos + self.batch_size].to(torch.int64)
         self._pos += self.batch_size
         return batch
 
@@ -332,10 +335,9 @@ class Sampler:
         pos = int(state["pos"])
         if not 0 <= pos <= self.num_examples:
             raise DataError(f"sampler state has position {pos}, expected 0..{self.num_examples}")
-        self._generator.set_state(state["generator"].to(torch.uint8))
-        self._new_permutation()  # the same order the saved sampler was walking, and the generator just past it
-        self._pos = pos
-        self.epoch = int(state["epoch"])
+        self._epoch_start = state["generator"].to(torch.uint8).clone()
+        self._generator.set_state(self._epoch_start)
+        self._perm, self._pos, self.epoch = None, pos, int(state["epoch"])  # the permutation is redrawn on use
 
 
 def heldout_batches(num_examples: int, batch_size: int, max_batches: int | None) -> Iterator[torch.Tensor]:
