@@ -83,6 +83,29 @@ def test_interrupted_run_resumes_bitwise_identical(tmp_path, small_text, capsys)
         assert sw[k] == sc[k], k
 
 
+def test_resume_mid_epoch_after_several_epochs_is_bitwise_identical(tmp_path):
+    # 11 windows per epoch: the cut falls mid-epoch 1 and the run goes on through epoch 3, so the
+    # permutation recomputed on resume and every later one must be the ones the whole run drew.
+    short = tmp_path / "short.txt"
+    short.write_text("the cat sat on the mat. a dog ran. " * 3, encoding="utf-8")
+    assert main(flags(tmp_path, short, run_name="whole", max_windows=40, memory_capacity=0)) == 0
+    assert main(flags(tmp_path, short, run_name="cut", max_windows=20, memory_capacity=0)) == 0
+    c = ck.read_meta(run_dir(tmp_path, "cut") / "step_00000020")["counters"]
+    assert c["sampler_epoch"] == 1 and 0 < c["sampler_pos"] < 80  # mid-epoch
+    assert main(["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "cut", "--max_windows", "40"]) == 0
+    assert_same_checkpoint(run_dir(tmp_path, "whole") / "step_00000040", run_dir(tmp_path, "cut") / "step_00000040")
+
+
+def test_checkpoint_size_does_not_grow_with_the_corpus(tmp_path, small_text):
+    # The sampler's state is O(1): a corpus 20 times longer (same vocabulary) gives a checkpoint of the same size.
+    big = tmp_path / "big.txt"
+    big.write_text(small_text.read_text(encoding="utf-8") * 20, encoding="utf-8")
+    for name, data in (("small", small_text), ("big", big)):
+        quiet(config(tmp_path, data, run_name=name, max_windows=2)).train()
+    sizes = {name: (run_dir(tmp_path, name) / "step_00000002" / ck.TENSORS_FILE).stat().st_size for name in ("small", "big")}
+    assert sizes["small"] == sizes["big"], sizes
+
+
 def test_resume_from_periodic_checkpoint_in_place_with_cosine_schedule(tmp_path, small_text):
     # log_every 15: the saved metric accumulators are mid-interval, so they must be restored too.
     cfg = config(tmp_path, small_text, run_name="a", lr_schedule="cosine", save_every_windows=20, keep_last=5,
@@ -172,7 +195,7 @@ def other_version(d: Path) -> None:
     (lambda d: (d / ck.META_FILE).unlink(), "missing meta.json"),
     (lambda d: (d / ck.TENSORS_FILE).unlink(), "missing tensors.safetensors"),
     (lambda d: (d / ck.META_FILE).write_text("{\"format_version\": 1,"), "meta.json: not valid JSON"),
-    (other_version, "meta.json: checkpoint format version 99; this trainer reads version 1"),
+    (other_version, f"meta.json: checkpoint format version 99; this trainer reads version {ck.FORMAT_VERSION}"),
     (lambda d: (d / ck.META_FILE).write_text(json.dumps({**json.loads((d / ck.META_FILE).read_text()), "history": None})),
      "meta.json: 'history' must be a JSON list, got NoneType"),
 ])

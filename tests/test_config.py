@@ -99,3 +99,136 @@ def test_unknown_preset_lists_the_known_ones():
 def test_cli_reports_config_errors_with_exit_code_2(capsys):
     assert main(["--batch_size", "0"]) == 2
     assert "batch_size" in capsys.readouterr().err
+
+
+# --- bad config files and values (each a clear error, exit code 2) ---
+
+
+def train(argv: list[str], tmp_path) -> int:
+    """main() on training flags, writing under tmp_path should a refusal regress into a run."""
+    return main([*argv, "--checkpoint_dir", str(tmp_path / "ck")])
+
+
+def test_config_or_preset_that_is_a_directory_is_refused(tmp_path, capsys):
+    folder = tmp_path / "dir.yaml"
+    folder.mkdir()
+    for flag in ("--config", "--preset"):
+        assert train([flag, str(folder)], tmp_path) == 2
+        err = capsys.readouterr().err
+        assert f"config file {folder} is a directory" in err and "Traceback" not in err
+
+
+def test_yaml_aliases_are_refused(tmp_path, capsys):
+    # A "billion laughs" file: each level repeats the one below 9 times (here 9**4 = 6561 leaves; real
+    # ones go to 9**9 and take minutes and gigabytes). Aliases are refused before anything expands.
+    lines = ['l0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"l{i}: &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 4)]
+    lines.append("hidden_sizes: [" + ",".join(["*l3"] * 9) + "]")
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    assert train(["--config", str(bomb)], tmp_path) == 2
+    err = capsys.readouterr().err
+    assert "aliases (*name) are not allowed" in err and str(bomb) in err and len(err) < 1000
+
+
+def test_yaml_file_size_is_bounded(tmp_path, capsys):
+    big = tmp_path / "big.yaml"
+    big.write_text("seed: 1\n" + "#" * (1 << 20) + "\n")
+    assert train(["--config", str(big)], tmp_path) == 2
+    assert f"config file {big} is {big.stat().st_size} bytes; a config file may be at most 1048576" in capsys.readouterr().err
+
+
+def test_deeply_nested_yaml_is_refused(tmp_path, capsys):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("hidden_sizes: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert train(["--config", str(deep)], tmp_path) == 2
+    assert "nested too deeply" in capsys.readouterr().err
+
+
+def test_error_messages_cap_the_offending_input():
+    with pytest.raises(ConfigError) as e:
+        build_config([("test", {"run_name": "a/" * 100_000})])
+    assert "run_name" in str(e.value) and len(str(e.value)) < 800
+    # 10,000 bad list items: the first few errors are listed, then a count.
+    with pytest.raises(ConfigError) as e:
+        build_config([("test", {"hidden_sizes": ["x"] * 10_000})])
+    assert "... and 9990 more" in str(e.value) and len(str(e.value)) < 3000
+
+
+@pytest.mark.parametrize("line, field", [
+    ("max_windows: true", "max_windows"),  # was taken as 1 window
+    ("batch_size: false", "batch_size"),
+    ("eta_update: true", "eta_update"),
+    ("static_shapes: 1", "static_shapes"),  # and no int-as-bool either
+])
+def test_yaml_bool_is_not_a_number(tmp_path, capsys, line, field):
+    path = tmp_path / "c.yaml"
+    path.write_text(line + "\n")
+    assert train(["--config", str(path)], tmp_path) == 2
+    err = capsys.readouterr().err
+    assert f"{field} (from config {path}): Input should be a valid" in err
+
+
+def test_yaml_numbers_still_read_as_expected(tmp_path):
+    # Ints are valid floats, and 1e-3 is a float (PyYAML alone would read it as the string '1e-3').
+    path = tmp_path / "c.yaml"
+    path.write_text("dt: 1\neta_update: 1e-3\nbeta_nudge: 3.0e-3\nmax_epochs: 2\n")
+    cfg = config_from(["--config", str(path)])
+    assert (cfg.dt, cfg.eta_update, cfg.beta_nudge, cfg.max_epochs) == (1.0, 0.001, 0.003, 2.0)
+    assert isinstance(cfg.dt, float) and isinstance(cfg.max_epochs, float)
+
+
+@pytest.mark.parametrize("argv", [["--max_w", "3"], ["evaluate", "--checkpoint", "x", "--eval_b", "3"],
+                                  ["sample", "--checkpoint", "x", "--temp", "0.5"], ["plot", "x", "--ou", "y"]])
+def test_abbreviated_flags_are_refused(argv, capsys):
+    # `--max_w 3` used to mean --max_windows 3: a typo or an ambiguous prefix must not pick a flag.
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err
+
+
+# --- numerical values: finite, and not absurd ---
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--eta_update", "inf"], "eta_update"),
+    (["--dt", "inf"], "dt"),
+    (["--dt", "nan"], "dt"),
+    (["--beta_nudge", "nan"], "beta_nudge"),
+    (["--max_epochs", "inf"], "max_epochs"),
+])
+def test_non_finite_values_are_refused(argv, field, capsys, tmp_path):
+    assert train(argv, tmp_path) == 2
+    assert f"{field} (from command line): Input should be a finite number" in capsys.readouterr().err
+
+
+def test_yaml_inf_is_refused(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("eta_update: .inf\n")
+    assert train(["--config", str(path)], tmp_path) == 2
+    assert f"eta_update (from config {path}): Input should be a finite number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--dt", "5", "--gamma", "0"], "dt^2/mass + 2*gamma*dt = 25 must be below 4"),  # never settled, said nothing
+    (["--dt", "1", "--gamma", "1.6"], "= 4.2 must be below 4"),
+    (["--dt", "1", "--mass", "0.2"], "= 7 must be below 4"),
+    (["--eta_update", "1e3"], "energy learning rate eta_update = 1000 must be at most 1"),  # exited 0 with bpc inf
+    (["--eta_update", "1e300"], "must be at most 1"),  # crashed
+    (["--eta_embed_scale", "1e3"], "embed learning rate eta_update * eta_embed_scale = 3 must be at most 1"),
+    (["--seed", str(2**64)], "seed"),  # overflowed torch.manual_seed
+])
+def test_absurd_values_are_refused_saying_the_sane_range(argv, needle, capsys, tmp_path):
+    assert train(argv, tmp_path) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("values", [
+    {"dt": 1.9, "gamma": 0.0},  # undamped leapfrog up to dt 2
+    {"dt": 1.0, "gamma": 1.4},
+    {"dt": 2.5, "gamma": 0.0, "mass": 2.0},
+    {"eta_update": 1.0},
+    {"seed": -(2**63)}, {"seed": 2**64 - 1},
+])
+def test_sane_values_near_the_limits_are_accepted(values):
+    build_config([("test", values)])

@@ -43,7 +43,7 @@ def test_builtin_corpus_size_vocab_and_split(builtin: Dataset) -> None:
     assert builtin.vocab == sorted(set(builtin.vocab)) and builtin.num_classes == len(builtin.vocab)
     assert builtin.input_dim == builtin.context_len == 8
     assert builtin.train_y is None and builtin.heldout_y is None
-    assert builtin.train.dtype == builtin.heldout.dtype == torch.int64
+    assert builtin.train.dtype == builtin.heldout.dtype == torch.uint8  # under 256 symbols: one byte per character
     assert abs(len(builtin.heldout) - 0.1 * total) <= 1
     assert int(builtin.heldout.max()) < len(builtin.vocab) and int(builtin.heldout.min()) >= 0
     # Every vocabulary entry is a single character that actually occurs somewhere.
@@ -114,6 +114,28 @@ def test_utf8_text_file(tmp_path: Path) -> None:
     assert ds.source == path
     assert ds.vocab == sorted(set(content))
     assert ds.decode(torch.cat([ds.train, ds.heldout])) == content
+
+
+def test_tokens_use_the_smallest_integer_type(tmp_path: Path) -> None:
+    # 300 distinct symbols do not fit a byte: int16. Batches are int64 either way.
+    wide = "".join(chr(0x400 + i) for i in range(300)) * 3
+    ds = load_dataset(write_text(tmp_path, wide), context_len=3)
+    assert ds.train.dtype == torch.int16 and len(ds.vocab) == 300
+    assert ds.decode(torch.cat([ds.train, ds.heldout])) == wide
+    contexts, targets = ds.batch("train", torch.tensor([0, 5]))
+    assert contexts.dtype == targets.dtype == torch.int64 and ds.decode(targets) == wide[3] + wide[8]
+
+
+def test_text_read_in_chunks_splits_no_character(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 7-byte chunks cut 2-, 3- and 4-byte characters in half; the result must equal a whole-file decode.
+    monkeypatch.setattr("trainer2.data.TEXT_CHUNK", 7)
+    content = "a\u00e9\u2014\U0001F600 zb\n" * 40
+    ds = load_dataset(write_text(tmp_path, content), context_len=3)
+    assert ds.vocab == sorted(set(content))
+    assert ds.decode(torch.cat([ds.train, ds.heldout])) == content
+    bad = write_text(tmp_path, "\u2014".encode() * 20 + b"\xff" + b"x" * 40, "bad.txt")
+    with pytest.raises(DataError, match="offset 60"):
+        load_dataset(bad, context_len=3)
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -240,6 +262,21 @@ def test_npz_not_loadable(tmp_path: Path, content: bytes) -> None:
     assert path in str(err.value)
 
 
+def test_npy_renamed_npz_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "x.npz"
+    np.save(tmp_path / "x.npy", np.zeros((4, 2)))
+    (tmp_path / "x.npy").rename(path)  # was a TypeError traceback
+    with pytest.raises(DataError, match=r"not an \.npz archive but a single array \(an \.npy file renamed\?\)") as err:
+        load_dataset(str(path), context_len=4)
+    assert str(path) in str(err.value)
+
+
+def test_npz_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "d.npz").mkdir()
+    with pytest.raises(DataError, match="is a directory"):
+        load_dataset(str(tmp_path / "d.npz"), context_len=4)
+
+
 def test_npz_missing_file(tmp_path: Path) -> None:
     path = str(tmp_path / "absent.npz")
     with pytest.raises(DataError) as err:
@@ -306,6 +343,18 @@ def test_sampler_state_dict_round_trip() -> None:
     assert restored.epoch == sampler.epoch == 3
 
 
+@pytest.mark.parametrize("draws", range(10))
+def test_sampler_resumes_exactly_from_any_position(draws: int) -> None:
+    # 4 batches per epoch: saves at the start, middle and end of epochs 0-2, each loaded into a fresh sampler.
+    sampler = Sampler(num_examples=17, batch_size=4, seed=11)
+    for _ in range(draws):
+        sampler.next()
+    restored = Sampler(num_examples=17, batch_size=4, seed=0)
+    restored.load_state_dict(sampler.state_dict())
+    assert all(torch.equal(sampler.next(), restored.next()) for _ in range(12))
+    assert restored.epoch == sampler.epoch
+
+
 def test_sampler_state_dict_is_a_snapshot() -> None:
     sampler = Sampler(num_examples=9, batch_size=3, seed=0)
     state = sampler.state_dict()
@@ -318,8 +367,24 @@ def test_sampler_errors() -> None:
     with pytest.raises(DataError, match="larger than"):
         Sampler(num_examples=3, batch_size=4, seed=0)
     state = Sampler(num_examples=10, batch_size=2, seed=0).state_dict()
-    with pytest.raises(DataError, match="length 10"):
+    with pytest.raises(DataError, match="for 10 examples, expected 11"):
         Sampler(num_examples=11, batch_size=2, seed=0).load_state_dict(state)
+
+
+def test_sampler_state_does_not_grow_with_the_data() -> None:
+    # The permutation is recomputed on load, never stored: a checkpoint stays small whatever the corpus.
+    small, big = Sampler(100, 4, seed=0).state_dict(), Sampler(1_000_000, 4, seed=0).state_dict()
+    assert {k: v.shape for k, v in small.items()} == {k: v.shape for k, v in big.items()}
+    assert sum(v.numel() * v.element_size() for v in big.values()) < 10_000
+
+
+def test_sampler_order_is_successive_randperms_of_one_generator() -> None:
+    # The order every earlier run used (and the README's figures were measured with): epoch e is the
+    # e-th randperm drawn from one generator seeded with `seed`.
+    gen = torch.Generator().manual_seed(7)
+    expected = torch.cat([torch.randperm(10, generator=gen)[:8] for _ in range(3)])
+    sampler = Sampler(num_examples=10, batch_size=4, seed=7)
+    assert torch.equal(torch.cat([sampler.next() for _ in range(6)]), expected)
 
 
 # --- heldout_batches ----------------------------------------------------------------------------

@@ -90,4 +90,17 @@ def test_sample_command_refuses_bad_input(trained: Trainer, tmp_path, capsys) ->
     assert "character '\u00e9' is not in the vocabulary" in capsys.readouterr().err
     with pytest.raises(SystemExit) as err:
         main(["sample", "--checkpoint", final_checkpoint(trained), "--temperature", "-1"])
-    assert err.value.code == 2 and "--temperature must be >= 0" in capsys.readouterr().err
+    assert err.value.code == 2 and "--temperature must be a finite number >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--temperature", "nan", "--temperature must be a finite number >= 0, got nan"),  # was a traceback
+    ("--temperature", "inf", "--temperature must be a finite number >= 0, got inf"),
+    ("--length", "100000000000", "--length must be in 0..1,000,000, got 100,000,000,000"),  # was a traceback
+    ("--seed", str(2**64), "--seed must be in"),
+])
+def test_sample_refuses_absurd_numbers_before_loading(tmp_path, capsys, flag, value, message) -> None:
+    # The checkpoint does not even exist: the numbers are checked first, so nothing is loaded for a bad call.
+    with pytest.raises(SystemExit) as err:
+        main(["sample", "--checkpoint", str(tmp_path / "nope"), flag, value])
+    assert err.value.code == 2 and message in capsys.readouterr().err

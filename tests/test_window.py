@@ -174,3 +174,27 @@ def test_stormer_verlet_energy_drift_stays_bounded_over_1000_steps():
 def test_damping_settles_and_converges():
     cfg, m, relax, free, _ = primed(tbptt_window_steps=200)
     assert float(relax.ws.spd_hist[199].max()) < 1e-2  # spd at the last step is ~sqrt(eps) at rest
+
+
+def test_config_stability_bound_is_the_integrators():
+    # With zero couplings the energy is 1/2 |q - b_out|^2 in q: exactly the unit stiffness the config's
+    # bound dt^2/mass + 2 gamma dt < 4 is derived for. Just inside it q settles; just outside it blows up,
+    # and the config refuses that setting.
+    from trainer2.config import ConfigError, build_config
+
+    cfg, m, relax, free, _ = primed(dt=1.5, gamma=0.5)  # 2.25 + 1.5 = 3.75
+    with pytest.raises(ConfigError, match="must be below 4"):
+        build_config([("test", {"dt": 1.6, "gamma": 0.5})])  # 2.56 + 1.6 = 4.16
+    with torch.no_grad():
+        for w in m.energy.weights:
+            w.zero_()
+    ws = relax.ws
+    rest = m.energy.biases[-1]
+    distance = {}
+    for dt in (1.5, 1.6):
+        ws.state.zero_()
+        ws.drive.copy_(m.energy.biases[0].expand_as(ws.drive))
+        ws.state.s[-1].copy_(rest + 1.0)
+        leapfrog_window(ws, m.energy, free.frame, free.fold, 0, 60, False, Integrator(dt, 0.5, 1.0), relax.one_hot)
+        distance[dt] = float((ws.state.s[-1] - rest).abs().max())
+    assert distance[1.5] < 1e-3 and distance[1.6] > 1e3, distance

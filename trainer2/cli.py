@@ -22,6 +22,7 @@ from trainer2.resume import fresh_run_guard, resume_config
 def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trainer2",
+        allow_abbrev=False,  # --max_w 3 must not quietly mean --max_windows 3
         description="Train a physics-style learning machine with Equilibrium Propagation (no autograd).",
         epilog="Layers, lowest first: field defaults < --preset < --config < flags. "
         "Other commands: trainer2 evaluate|sample|bench|plot --help",
@@ -68,7 +69,7 @@ def cmd_sample(argv: list[str]) -> int:
 
 
 def cmd_evaluate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="trainer2 evaluate", description="Print the held-out metrics of a checkpoint as JSON.")
+    p = argparse.ArgumentParser(prog="trainer2 evaluate", allow_abbrev=False, description="Print the held-out metrics of a checkpoint as JSON.")
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="A step_<N>/ checkpoint directory.")
     p.add_argument("--device", default=argparse.SUPPRESS, help="Device to evaluate on (default: the checkpoint's).")
     p.add_argument("--eval_batches", type=none_or(int), default=argparse.SUPPRESS, metavar="N",

@@ -6,6 +6,7 @@ Layers, lowest first: field defaults < preset YAML (configs/NAME.yaml) < --confi
 from __future__ import annotations
 
 import re
+import reprlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,20 +14,49 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+MAX_YAML_BYTES = 1 << 20  # a config is a few hundred bytes; the cap bounds what a hostile file can cost
+MAX_REPR = 200  # characters of an offending value an error message shows
+MAX_ERRORS = 10  # validation errors listed per message
+MAX_LR = 1.0  # largest learning rate of any parameter group (see _numerics)
 
 
 class ConfigError(ValueError):
     """A bad config key, value, file or combination; the message names it."""
 
 
+def short_repr(value: Any) -> str:
+    """repr(value) cut to about MAX_REPR characters (reprlib stops early), so an error never echoes a huge input."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = MAX_REPR
+    text = r.repr(value)
+    return text if len(text) <= MAX_REPR else text[: MAX_REPR - 3] + "..."
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader without aliases (an alias bomb expands a few hundred bytes into gigabytes) that reads
+    1e-3 as a float, as YAML 1.2 does (PyYAML's YAML 1.1 rules make it a string)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a config file",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 class TrainConfig(BaseModel):
     """One run of trainer2. Every field is also a command-line flag of the same name."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: no bool-as-int (YAML `max_windows: true` is not 1) and no numbers from strings; an int is
+    # still a valid float. allow_inf_nan=False: every float must be finite (YAML .inf, --dt inf).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
     # --- run ---
     run_name: str = Field("dev", description="Name of the run; outputs go to <checkpoint_dir>/<run_name>/.")
-    seed: int = Field(0, description="Seed for initialisation and the data sampler.")
+    seed: int = Field(0, ge=-(2**63), lt=2**64, description="Seed for initialisation and the data sampler (what torch.manual_seed takes).")
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     dtype: Literal["float32", "float64"] = Field("float32", description="Floating-point type of every tensor.")
     checkpoint_dir: str = Field("checkpoints", description="Directory holding one folder per run.")
@@ -106,21 +136,21 @@ class TrainConfig(BaseModel):
     @classmethod
     def _device(cls, v: str) -> str:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
-            raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+            raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {short_repr(v)}")
         return v
 
     @field_validator("hidden_sizes")
     @classmethod
     def _hidden(cls, v: list[int]) -> list[int]:
         if any(h < 1 for h in v):
-            raise ValueError(f"every hidden size must be >= 1, got {v}")
+            raise ValueError(f"every hidden size must be >= 1, got {short_repr(v)}")
         return v
 
     @field_validator("run_name")
     @classmethod
     def _run_name(cls, v: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", v) or v in (".", ".."):
-            raise ValueError(f"expected letters, digits, '_', '-' or '.', got {v!r}")
+            raise ValueError(f"expected letters, digits, '_', '-' or '.', got {short_repr(v)}")
         return v
 
     @model_validator(mode="after")
@@ -143,7 +173,28 @@ class TrainConfig(BaseModel):
             )
         if self.max_windows is None and self.max_epochs is None:
             raise ValueError("set max_windows or max_epochs, or the run never ends")
+        self._numerics()
         return self
+
+    def _numerics(self) -> None:
+        """Refuse values that cannot work whatever the data: an unstable integrator, a learning rate above 1."""
+        # Damped leapfrog on a unit-stiffness mode: p <- (1 - gamma dt) p - dt s, s <- s + dt p / mass has
+        # |eigenvalues| < 1 iff dt^2/mass + 2 gamma dt < 4. The energy's Hessian has unit diagonal, so its
+        # stiffest mode is >= 1: outside this bound the free phase diverges for any couplings.
+        stiffness = self.dt**2 / self.mass + 2 * self.gamma * self.dt
+        if not stiffness < 4:
+            raise ValueError(
+                f"dt^2/mass + 2*gamma*dt = {stiffness:g} must be below 4 (dt {self.dt:g}, gamma {self.gamma:g}, "
+                f"mass {self.mass:g}): beyond it the leapfrog step is unstable on the energy's unit stiffness and the "
+                "free phase can never settle; lower dt or gamma, or raise mass (dt = gamma = mass = 1 is the default)")
+        for group, scale in (("energy", 1.0), ("readout", self.eta_readout_scale), ("embed", self.eta_embed_scale)):
+            lr = self.eta_update * scale
+            if lr > MAX_LR:
+                what = "eta_update" if group == "energy" else f"eta_update * eta_{group}_scale"
+                raise ValueError(
+                    f"the {group} learning rate {what} = {lr:g} must be at most {MAX_LR:g}: an Adam step moves every "
+                    "parameter by about the learning rate, and the couplings live below spectral_cap < 1, so a larger "
+                    "rate wrecks the model in one update (useful rates are around 1e-3 to 1e-2)")
 
 
 def field_names() -> list[str]:
@@ -158,24 +209,35 @@ def preset_path(name: str) -> Path:
     path = PRESET_DIR / f"{name}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-        raise ConfigError(f"unknown preset {name!r}: expected one of {known} (files in {PRESET_DIR})")
+        raise ConfigError(f"unknown preset {short_repr(name)}: expected one of {known} (files in {PRESET_DIR})")
     return path
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """A YAML mapping of config fields; unknown keys are refused here, naming the file."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory; expected a YAML file of field: value lines")
+        size = path.stat().st_size
+        if size > MAX_YAML_BYTES:
+            raise ConfigError(f"config file {path} is {size} bytes; a config file may be at most {MAX_YAML_BYTES} bytes")
+        with open(path, encoding="utf-8") as f:  # a stream, so YAML errors name the file
+            data = yaml.load(f, Loader=_ConfigLoader)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None  # PyYAML cuts its snippets at 75 characters
+    except RecursionError:
+        raise ConfigError(f"config file {path} is nested too deeply; expected a flat mapping of field: value") from None
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of field: value, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(field_names()))
+    unknown = sorted(set(data) - set(field_names()), key=str)
     if unknown:
-        raise ConfigError(f"config file {path}: unknown key(s) {unknown}; every key must be a TrainConfig field (see --help)")
+        raise ConfigError(f"config file {path}: unknown key(s) {short_repr(unknown)}; every key must be a TrainConfig field "
+                          "(see --help)")
     return data
 
 
@@ -198,11 +260,14 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> TrainConfig:
         return TrainConfig(**merged)
     except ValidationError as e:
         lines = []
-        for err in e.errors():
+        for err in e.errors()[:MAX_ERRORS]:
             field = ".".join(str(p) for p in err["loc"]) or "config"
-            where = f" (from {origin[field]})" if field in origin else ""
+            top = str(err["loc"][0]) if err["loc"] else field
+            where = f" (from {origin[top]})" if top in origin else ""
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{field}{where}: {msg}" + (f" (got {err['input']!r})" if field != "config" and "input" in err else ""))
+            lines.append(f"{field}{where}: {msg}" + (f" (got {short_repr(err['input'])})" if field != "config" and "input" in err else ""))
+        if e.error_count() > MAX_ERRORS:
+            lines.append(f"... and {e.error_count() - MAX_ERRORS} more")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 

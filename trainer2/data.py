@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
 import pickle
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import torch
 
 BUILTIN_SOURCE = "builtin:pydoc_data.topics"
 SPLITS = ("train", "heldout")
+TEXT_CHUNK = 1 << 22  # bytes of a text file decoded at a time
+MAX_CODEPOINT = 0x10FFFF
 
 
 class DataError(ValueError):
@@ -57,7 +60,8 @@ class Dataset:
             raise IndexError(f"example indices must be in [0, {n}) for split {split!r}")
         if y is not None:
             return data[idx], y[idx]
-        windows = data[idx[:, None] + torch.arange(self.context_len + 1)]
+        # Tokens are stored in the smallest integer type; int64 only for the batch, where indexing needs it.
+        windows = data[idx[:, None] + torch.arange(self.context_len + 1)].to(torch.int64)
         return windows[:, :-1], windows[:, -1]
 
     def encode(self, text: str) -> torch.Tensor:
@@ -89,10 +93,12 @@ def load_dataset(path: str | None, context_len: int, heldout_fraction: float = 0
     if not 0.0 < heldout_fraction < 1.0:
         raise DataError(f"{path or BUILTIN_SOURCE}: heldout_fraction must be in (0, 1), got {heldout_fraction}")
     if path is None:
-        return _text_dataset(_builtin_text(), BUILTIN_SOURCE, context_len, heldout_fraction)
+        text = _builtin_text()
+        return _text_dataset(lambda: iter([text]), BUILTIN_SOURCE, context_len, heldout_fraction)
     if path.endswith(".npz"):
         return _feature_dataset(path, heldout_fraction)
-    return _text_dataset(_read_text(path), path, context_len, heldout_fraction)
+    _check_file(path, "a UTF-8 text file or a .npz feature file")
+    return _text_dataset(lambda: _read_text_chunks(path), path, context_len, heldout_fraction)
 
 
 def _builtin_text() -> str:
@@ -102,41 +108,89 @@ def _builtin_text() -> str:
     return "\n".join(topics[key] for key in sorted(topics))
 
 
-def _read_text(path: str) -> str:
-    """Whole file decoded as UTF-8; every failure becomes a DataError naming the path."""
+def _check_file(path: str, expected: str) -> None:
+    """A missing path or a directory becomes a DataError naming the path and what was `expected`."""
     p = Path(path)
     if not p.exists():
-        raise DataError(f"{path}: file does not exist; expected a UTF-8 text file or a .npz feature file")
+        raise DataError(f"{path}: file does not exist; expected {expected}")
     if p.is_dir():
-        raise DataError(f"{path}: is a directory; expected a UTF-8 text file or a .npz feature file")
+        raise DataError(f"{path}: is a directory; expected {expected}")
+
+
+def _read_text_chunks(path: str) -> Iterator[str]:
+    """The file decoded as UTF-8, TEXT_CHUNK bytes at a time (a whole 100 MB str would cost 100-400 MB);
+    every failure becomes a DataError naming the path."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes of the file handed to the decoder so far
     try:
-        raw = p.read_bytes()
+        with open(path, "rb") as f:
+            while True:
+                raw = f.read(TEXT_CHUNK)
+                pending = len(decoder.getstate()[0])  # bytes of a character split by the previous chunk
+                try:
+                    text = decoder.decode(raw, final=not raw)
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}: not valid UTF-8 (bad byte at offset {offset - pending + e.start}); "
+                                    "expected a UTF-8 text file") from None
+                offset += len(raw)
+                if text:
+                    yield text
+                if not raw:
+                    return
     except OSError as e:
         raise DataError(f"{path}: cannot read file ({e.strerror})") from e
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not valid UTF-8 (bad byte at offset {e.start}); expected a UTF-8 text file") from e
 
 
-def _text_dataset(text: str, source: str, context_len: int, heldout_fraction: float) -> Dataset:
-    """Character-level data set: first (1 - heldout_fraction) of the characters train, the rest held-out."""
+def _codepoints(text: str) -> np.ndarray:
+    """str of length T -> uint32 [T] of its Unicode code points."""
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """The smallest integer type that holds ids 0..vocab_size-1: tokens cost 1 byte each for <= 256 symbols."""
+    if vocab_size <= 256:
+        return torch.uint8
+    return torch.int16 if vocab_size <= 2**15 else torch.int32
+
+
+def _text_dataset(chunks: Callable[[], Iterator[str]], source: str, context_len: int, heldout_fraction: float) -> Dataset:
+    """Character-level data set: first (1 - heldout_fraction) of the characters train, the rest held-out.
+
+    `chunks` gives the text in pieces and is called twice: once for the vocabulary and length, once to
+    fill the token array, so only one chunk is ever held as a str."""
     if context_len < 1:
         raise DataError(f"{source}: context_len must be at least 1, got {context_len}")
-    if not text:
+    seen = np.zeros(MAX_CODEPOINT + 1, dtype=bool)
+    length = 0
+    for text in chunks():
+        seen[_codepoints(text)] = True
+        length += len(text)
+    if not length:
         raise DataError(f"{source}: file is empty; expected UTF-8 text")
-    n_train = len(text) - round(len(text) * heldout_fraction)
+    n_train = length - round(length * heldout_fraction)
     need = context_len + 1  # one full window plus its target
-    for split, size in (("train", n_train), ("heldout", len(text) - n_train)):
+    for split, size in (("train", n_train), ("heldout", length - n_train)):
         if size < need:
             raise DataError(
                 f"{source}: too short: the {split} split has {size} characters but needs at least {need} "
-                f"(context_len + 1); the text has {len(text)} characters in total"
+                f"(context_len + 1); the text has {length} characters in total"
             )
-    # Vocabulary over the whole text, so held-out never contains an unknown character.
-    vocab = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(vocab)}
-    tokens = torch.tensor([stoi[c] for c in text], dtype=torch.int64)
+    # Vocabulary over the whole text (sorted by code point), so held-out never contains an unknown character.
+    present = np.flatnonzero(seen)
+    vocab = [chr(c) for c in present]
+    tokens = torch.empty(length, dtype=token_dtype(len(vocab)))
+    out, pos = tokens.numpy(), 0
+    to_id = np.zeros(MAX_CODEPOINT + 1, dtype=out.dtype)  # code point -> vocabulary id
+    to_id[present] = np.arange(len(vocab))
+    changed = DataError(f"{source}: the file changed while it was being read; try again")
+    for text in chunks():
+        end = pos + len(text)
+        if end > length:
+            raise changed
+        np.take(to_id, _codepoints(text), out=out[pos:end], mode="clip")  # "clip" never clips here; it skips a buffer
+        pos = end
+    if pos != length:
+        raise changed
     return Dataset(
         kind="text",
         source=source,
@@ -180,10 +234,13 @@ def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Validated (x [N, D] float or int, y [N] int >= 0) from an .npz.
 
     Every problem becomes a DataError naming the path."""
+    _check_file(path, "an .npz feature file with arrays 'x' and 'y'")
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            if not isinstance(archive, np.lib.npyio.NpzFile):
-                raise DataError(f"{path}: not an .npz archive; expected arrays 'x' and 'y' saved with numpy.savez")
+        archive = np.load(path, allow_pickle=False, mmap_mode="r")  # mmap: a big .npy is refused without reading it
+        if not isinstance(archive, np.lib.npyio.NpzFile):  # e.g. a single .npy array renamed .npz
+            raise DataError(f"{path}: not an .npz archive but a single array (an .npy file renamed?); "
+                            "expected arrays 'x' and 'y' saved with numpy.savez")
+        with archive:
             for key in ("x", "y"):
                 if key not in archive.files:
                     found = sorted(archive.files)
@@ -221,8 +278,10 @@ def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Sampler:
-    """Shuffled epochs of fixed-size batches over `num_examples`, driven by its own torch.Generator
-    so its state can be checkpointed."""
+    """Shuffled epochs of fixed-size batches over `num_examples`, driven by its own torch.Generator.
+
+    Its state is O(1) whatever the data size: the generator state at the start of the current epoch, the
+    epoch and the position in it; the epoch's permutation is recomputed from them on load, never stored."""
 
     def __init__(self, num_examples: int, batch_size: int, seed: int) -> None:
         if batch_size < 1:
@@ -234,42 +293,51 @@ class Sampler:
         self.batches_per_epoch = num_examples // batch_size
         self.epoch = 0
         self._generator = torch.Generator().manual_seed(seed)
-        self._perm = torch.randperm(num_examples, generator=self._generator)
-        self._pos = 0
+        self._epoch_start = self._generator.get_state()
+        self._perm: torch.Tensor | None = None  # drawn on first use: a sampler about to be loaded (resume,
+        self._pos = 0  # evaluate, sample) never draws a permutation it would throw away
+
+    def _permutation(self) -> torch.Tensor:
+        """This epoch's order, drawn on first use from the generator, which then sits at the epoch's start."""
+        if self._perm is None:
+            # int32 halves the memory and gives the same permutation as int64 (randperm's draws do not depend on it).
+            dtype = torch.int32 if self.num_examples < 2**31 else torch.int64
+            self._perm = torch.randperm(self.num_examples, generator=self._generator, dtype=dtype)
+        return self._perm
 
     def next(self) -> torch.Tensor:
         """Next int64 [batch_size] of example indices; the ragged tail of each epoch is dropped so shapes stay fixed."""
         if self._pos + self.batch_size > self.num_examples:
-            self._perm = torch.randperm(self.num_examples, generator=self._generator)
-            self._pos = 0
+            self._permutation()  # the generator must be past this epoch's draw before the next epoch starts
+            self._epoch_start, self._perm, self._pos = self._generator.get_state(), None, 0
             self.epoch += 1
-        batch = self._perm[self._pos : self._pos + self.batch_size]
+        batch = self._permutation()[self._pos : self._pos + self.batch_size].to(torch.int64)
         self._pos += self.batch_size
         return batch
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """All state as tensors (generator uint8 [S], perm int64 [N], pos and epoch int64 []) so it fits safetensors."""
+        """All state as small tensors (generator at the epoch's start uint8 [S]; num_examples, epoch, pos int64 [])."""
         return {
-            "generator": self._generator.get_state(),
-            "perm": self._perm.clone(),
-            "pos": torch.tensor(self._pos, dtype=torch.int64),
+            "generator": self._epoch_start.clone(),
+            "num_examples": torch.tensor(self.num_examples, dtype=torch.int64),
             "epoch": torch.tensor(self.epoch, dtype=torch.int64),
+            "pos": torch.tensor(self._pos, dtype=torch.int64),
         }
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore from state_dict(); afterwards next() continues exactly as the saved sampler would have."""
-        missing = {"generator", "perm", "pos", "epoch"} - state.keys()
+        missing = {"generator", "num_examples", "epoch", "pos"} - state.keys()
         if missing:
             raise DataError(f"sampler state is missing {sorted(missing)}")
-        if state["perm"].shape != (self.num_examples,):
-            raise DataError(
-                f"sampler state has a permutation of length {state['perm'].numel()}, "
-                f"expected {self.num_examples} (the data set changed?)"
-            )
-        self._generator.set_state(state["generator"].to(torch.uint8))
-        self._perm = state["perm"].to(torch.int64).clone()
-        self._pos = int(state["pos"])
-        self.epoch = int(state["epoch"])
+        if int(state["num_examples"]) != self.num_examples:
+            raise DataError(f"sampler state is for {int(state['num_examples'])} examples, "
+                            f"expected {self.num_examples} (the data set changed?)")
+        pos = int(state["pos"])
+        if not 0 <= pos <= self.num_examples:
+            raise DataError(f"sampler state has position {pos}, expected 0..{self.num_examples}")
+        self._epoch_start = state["generator"].to(torch.uint8).clone()
+        self._generator.set_state(self._epoch_start)
+        self._perm, self._pos, self.epoch = None, pos, int(state["epoch"])  # the permutation is redrawn on use
 
 
 def heldout_batches(num_examples: int, batch_size: int, max_batches: int | None) -> Iterator[torch.Tensor]:

@@ -69,7 +69,7 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
 
 
 def cmd_plot(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="trainer2 plot", description="PNG curves of a run from its telemetry.jsonl.")
+    p = argparse.ArgumentParser(prog="trainer2 plot", allow_abbrev=False, description="PNG curves of a run from its telemetry.jsonl.")
     p.add_argument("run_dir", type=Path, help="Run directory, e.g. checkpoints/dev (holds telemetry.jsonl).")
     p.add_argument("--out", type=Path, default=None, help="Where to write the PNGs (default: RUN_DIR/plots).")
     args = p.parse_args(argv)

@@ -8,6 +8,7 @@ characters come back to the host once, at the end.
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 from torch import Tensor
@@ -16,6 +17,8 @@ from trainer2.config import ConfigError
 from trainer2.data import encode
 from trainer2.evaluation import load_trained
 from trainer2.relaxation import Relaxation
+
+MAX_LENGTH = 1_000_000  # characters per call: one free phase each, so about a day of CPU at the limit
 
 
 def pad_char(vocab: list[str]) -> str:
@@ -38,8 +41,8 @@ def generate(relax: Relaxation, vocab: list[str], prompt: str, length: int, temp
     draws come from a torch.Generator seeded with `seed`, so a fixed seed gives the same text."""
     if relax.batch != 1:
         raise ValueError(f"generate needs a Relaxation of batch size 1, got {relax.batch}")
-    if length < 0 or temperature < 0:
-        raise ValueError(f"length and temperature must be >= 0, got {length} and {temperature}")
+    if not 0 <= length <= MAX_LENGTH or not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"length must be in 0..{MAX_LENGTH} and temperature finite and >= 0, got {length} and {temperature}")
     ctx_len, device = relax.cfg.context_len, relax.device
     ids = encode(prompt, vocab, "--prompt")
     ids = torch.cat([encode(pad_char(vocab) * ctx_len, vocab, "pad"), ids])[-ctx_len:].to(device)
@@ -59,13 +62,14 @@ def generate(relax: Relaxation, vocab: list[str], prompt: str, length: int, temp
 def sample_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trainer2 sample",
+        allow_abbrev=False,
         description="Generate text from a checkpoint: one free-phase relaxation per character, in the checkpoint's own vocabulary.",
     )
     p.add_argument("--checkpoint", required=True, help="Checkpoint directory, e.g. checkpoints/dev/step_2000.")
     p.add_argument("--prompt", default="", help="Text to continue. Only its last context_len characters condition the "
                    "model; a shorter prompt is left-padded with spaces (or the first vocabulary character when the "
                    "vocabulary has no space). Every character must be in the checkpoint's vocabulary.")
-    p.add_argument("--length", type=int, default=200, help="Characters to generate (default: 200).")
+    p.add_argument("--length", type=int, default=200, help=f"Characters to generate, at most {MAX_LENGTH:,} (default: 200).")
     p.add_argument("--temperature", type=float, default=1.0, help="Divides the log-probabilities; 0 = always the most likely character (default: 1.0).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the sampling generator (default: 0).")
     p.add_argument("--device", default="cpu", help="Device to run on (default: cpu).")
@@ -75,10 +79,12 @@ def sample_parser() -> argparse.ArgumentParser:
 def cmd_sample(argv: list[str]) -> int:
     p = sample_parser()
     args = p.parse_args(argv)
-    if args.length < 0:
-        p.error(f"--length must be >= 0, got {args.length}")
-    if args.temperature < 0:
-        p.error(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 <= args.length <= MAX_LENGTH:
+        p.error(f"--length must be in 0..{MAX_LENGTH:,}, got {args.length:,}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not -(2**63) <= args.seed < 2**64:
+        p.error(f"--seed must be in -2**63..2**64-1 (what torch.Generator takes), got {args.seed}")
     trained = load_trained(args.checkpoint, {"device": args.device})
     vocab = trained.data.vocab
     if not vocab:
