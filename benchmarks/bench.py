@@ -31,6 +31,7 @@ from trainer2.data import Dataset, Sampler, load_dataset
 from trainer2.learning import Learner
 from trainer2.machine import build_machine
 from trainer2.memory import MemoryBank
+from trainer2.profiling import drop_kineto_markers
 from trainer2.trainer import resolve_device
 from trainer2.window import run_window
 
@@ -84,7 +85,7 @@ def count_work(prof: profile, cuda: bool) -> tuple[int, int]:
 
 def profile_call(fn, cuda: bool) -> tuple[int, int]:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    with drop_kineto_markers(), profile(activities=acts) as prof:
         fn()
         if cuda:
             torch.cuda.synchronize()

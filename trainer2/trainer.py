@@ -108,6 +108,7 @@ class Trainer:
         mon.start(self.progress.window)
         start = time.perf_counter() - self.progress.wall_seconds
         self._interval = (time.perf_counter(), self.progress.window)
+        first = self.progress.window  # a compiled or captured step spends its first window compiling
         while self.progress.window < total:
             w = self.progress.window
             mon.before_window(w)
@@ -116,6 +117,8 @@ class Trainer:
                 inputs, targets = self.next_batch()
             with mon.step_phase():
                 self.runner.step(inputs, targets)
+            if w == first and not mon.eager:
+                bar.unpause()  # count the compile apart: keep it out of the bar's rate and ETA
             self.progress.window += 1
             self.progress.examples += cfg.batch_size
             bar.update(1)
@@ -149,7 +152,7 @@ class Trainer:
         self.learner.metrics.zero_()
         wins, ex = max(vals["windows"], 1.0), max(vals["examples"], 1.0)
         loss = vals["loss_sum"] / ex
-        row = {"window": float(self.progress.window), "examples": float(self.progress.examples),
+        row = {"window": self.progress.window, "examples": self.progress.examples,
                "epoch": self.progress.window / self.sampler.batches_per_epoch,
                "train_loss": loss, "train_acc": vals["correct_sum"] / ex, "lr": lr, "dropped_total": dropped_total}
         if self.text:
