@@ -6,7 +6,6 @@ unrolled, so its gradient is the exact gradient of the loss at the (approximate)
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import Tensor

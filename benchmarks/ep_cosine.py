@@ -3,7 +3,7 @@
     python benchmarks/ep_cosine.py --preset dev [--train_windows 500] [--batches 4]
 
 The true gradient is autograd through a long (converged) relaxation in float64; the EP estimate is the
-trainer's own `Learner.grads` with the preset's window lengths and dtype. Printed per parameter group
+trainer's own gradient source (`Trainer.gradients`, EP) with the preset's window lengths and dtype. Printed per parameter group
 and for all parameters together, at initialisation and after some training.
 """
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.autograd_reference import cosine, exact_grads  # noqa: E402
 from trainer2.cli import resolve_config, train_parser  # noqa: E402
-from trainer2.learning import param_group  # noqa: E402
+from trainer2.params import param_group  # noqa: E402
 from trainer2.machine import move_machine  # noqa: E402
 from trainer2.trainer import Trainer  # noqa: E402
 
@@ -39,11 +39,10 @@ def measure(trainer: Trainer, batches: int, true_steps: int) -> dict[str, float]
     for _ in range(batches):
         inputs, targets = trainer.next_batch()
         with torch.no_grad():
-            est = trainer.learner.grads(inputs, targets).grads
+            est = trainer.gradients(trainer.relaxation, inputs.to(trainer.device), targets.to(trainer.device)).grads
         ref, _ = exact_grads(to_float64(trainer.machine), inputs.cpu(), targets.cpu(), true_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
-        names = trainer.learner.names
         groups: dict[str, tuple[list, list]] = {}
-        for n, g in zip(names, est):
+        for n, g in est.items():
             a, b = groups.setdefault(param_group(n), ([], []))
             a.append(g.double().cpu().flatten())
             b.append(ref[n].flatten())

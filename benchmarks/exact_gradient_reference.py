@@ -2,11 +2,12 @@
 
     python benchmarks/exact_gradient_reference.py --preset production --examples 200000 [--ff]
 
-`ExactGradLearner` swaps only the gradient source of the trainer's `Learner`: the energy couplings and
-the embedding get autograd's gradient of the batch-mean loss through the unrolled free window (same
-T_free, integrator, dtype), the readout its exact gradient as before. Initialisation, data, sampler,
-update rule, learning rates, schedule and constraints are the trainer's own, so a gap between the two
-runs is the cost of the learning rule alone. Lives outside trainer2/ because it uses autograd.
+`exact_gradients` is a gradient source for the trainer's seam, `Trainer(cfg, gradients=exact_gradients)`:
+every parameter gets autograd's gradient of the batch-mean loss through the unrolled free window (same
+T_free, integrator, dtype). The Trainer builds its batch step around it, so initialisation, data,
+sampler, update rule, learning rates, schedule, constraints and logged metrics are the trainer's own,
+and a gap between the two runs is the cost of the learning rule alone. Lives outside trainer2/ because
+it uses autograd.
 
 `train_feedforward` trains, for context, a plain feed-forward network of the same sizes (embedding,
 hidden layers, n outputs, then the same geometric readout or a linear softmax head) with backprop and
@@ -29,35 +30,39 @@ from benchmarks.autograd_reference import exact_grads, readout_loss  # noqa: E40
 from trainer2.cli import resolve_config, train_parser  # noqa: E402
 from trainer2.config import ConfigError, TrainConfig  # noqa: E402
 from trainer2.data import DataError, Sampler, heldout_batches  # noqa: E402
+from trainer2.evaluation import EVAL_BATCH  # noqa: E402
 from trainer2.geometry import readout_frame, readout_loss_and_grads  # noqa: E402
-from trainer2.learning import Learner, StepResult, param_group  # noqa: E402
+from trainer2.gradients import StepResult  # noqa: E402
 from trainer2.machine import Machine, project_constraints  # noqa: E402
-from trainer2.trainer import EVAL_BATCH, Trainer, lr_at  # noqa: E402
+from trainer2.params import param_group  # noqa: E402
+from trainer2.relaxation import Relaxation, WindowStats  # noqa: E402
+from trainer2.trainer import Trainer, lr_at  # noqa: E402
 
 
-class ExactGradLearner(Learner):
-    """A Learner whose energy and embedding gradients are autograd's, through the unrolled free window."""
+def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResult:
+    """Gradient source: autograd's gradient of the batch-mean loss through the unrolled free window, for every parameter.
 
-    def grads(self, inputs: Tensor, targets: Tensor) -> StepResult:
-        cfg, m, ws = self.cfg, self.m, self.ws
-        _, frame, cand = self.free_phase(inputs, targets)  # loss, probs and observables, as the trainer logs them
-        res = readout_loss_and_grads(self.s0.s[-1], frame, cand, targets, m.num_classes, m.layout, m.readout.theta)
+    The trainer's own free phase runs too, so the logged loss, accuracy and window statistics are measured
+    exactly as the EP trainer's are; no nudged phase runs (lior_nudge is 0)."""
+    cfg, m = relax.cfg, relax.m
+    with relax.phase("free"):
+        free = relax.free_phase(inputs, targets)
+        stats = relax.free_stats()
+        loss, probs = relax.readout_scores(free)
+    with relax.phase("update"):
         exact, _ = exact_grads(m, inputs, targets, cfg.tbptt_window_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
-        obs = ws.obs
-        steps = cfg.tbptt_window_steps
-        free_obs = torch.stack([obs.lior.mean(), obs.spd.mean() / steps, obs.spd_last.mean(), obs.r_sum / steps, torch.zeros_like(obs.r_sum)])
-        return StepResult([exact[n] for n in self.names], res.loss, res.probs, free_obs)
+    return StepResult(exact, loss, probs, WindowStats(**stats, lior_nudge=torch.zeros_like(stats["lior_mean"])))
 
 
 def exact_trainer(cfg: TrainConfig, log=print) -> Trainer:
-    """A Trainer for `cfg` (same init, data, sampler) whose learner uses exact gradients; CPU only."""
+    """A Trainer for `cfg` (same init, data, sampler, update) built around the exact gradient source; CPU only."""
     if cfg.memory_capacity:
         raise ConfigError("the exact-gradient reference has no memory bank: set memory_capacity 0")
     if cfg.device not in ("cpu", "auto"):
         raise ConfigError(f"the exact-gradient reference runs on the CPU, got device {cfg.device!r}")
-    trainer = Trainer(cfg.model_copy(update={"device": "cpu"}), log=log)
-    trainer.learner = ExactGradLearner(trainer.machine, trainer.cfg, cfg.batch_size, None)
-    return trainer
+    if cfg.use_torch_compile or cfg.use_cudagraphs:
+        raise ConfigError("the exact-gradient reference runs eagerly (autograd inside the step): drop --use_torch_compile / --use_cudagraphs")
+    return Trainer(cfg.model_copy(update={"device": "cpu"}), gradients=exact_gradients, log=log)
 
 
 def ff_forward(m: Machine, inputs: Tensor, act: str, head: list[Tensor] | None) -> Tensor:
@@ -100,7 +105,7 @@ def train_feedforward(cfg: TrainConfig, examples: int, act: str = "relu", head_k
         g["params"][0].requires_grad_(True)
     opt = torch.optim.Adam(groups, lr=cfg.eta_update, betas=(cfg.momentum, cfg.adam_beta2), eps=cfg.adam_eps)
     sampler = Sampler(data.num_examples("train"), cfg.batch_size, cfg.seed)
-    power_vecs = trainer.learner.update.power_vecs if capped else []
+    power_vecs = trainer.updater.state.power_vecs if capped else []
     total_windows = math.ceil(examples / cfg.batch_size)
     for w in range(total_windows):
         for g in opt.param_groups:

@@ -12,10 +12,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiny import tiny_config, tiny_machine
-from trainer2.capture import StaticBatch, StepRunner, learner_tensors
-from trainer2.learning import Learner
+from trainer2.capture import StaticBatch, StepRunner, step_tensors
+from trainer2.gradients import GradientSource, ep_gradients
 from trainer2.machine import move_machine
 from trainer2.memory import MemoryBank
+from trainer2.step import BatchStep, build_step
 from trainer2.trainer import Trainer
 
 CUDA = torch.cuda.is_available()
@@ -24,12 +25,12 @@ V = 7
 SHORT = {"tbptt_window_steps": 2, "nudge_steps": 1}  # compile time grows with the unrolled steps
 
 
-def fresh_learner(device: str = "cpu", **overrides) -> Learner:
-    """A learner with a memory bank, so the step also writes memory; identical for identical arguments."""
+def fresh_step(device: str = "cpu", gradients: GradientSource = ep_gradients, **overrides) -> BatchStep:
+    """A batch step with a memory bank, so the step also writes memory; identical for identical arguments."""
     cfg = tiny_config(**{"tbptt_window_steps": 6, "nudge_steps": 3, "beta_nudge": 0.05, "memory_capacity": 12, **overrides})
     m = move_machine(tiny_machine(cfg, V), torch.device(device))
     mem = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, m.readout.protos)
-    return Learner(m, cfg, cfg.batch_size, mem)
+    return build_step(m, cfg, cfg.batch_size, mem, gradients)
 
 
 def batches(cfg, n: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -38,16 +39,16 @@ def batches(cfg, n: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor
              torch.randint(0, V, (cfg.batch_size,), generator=gen)) for _ in range(n)]
 
 
-def run(step, learner: Learner, data, device: str = "cpu", first: int = 0) -> None:
+def run(step, batch_step: BatchStep, data, device: str = "cpu", first: int = 0) -> None:
     """Steps over `data` (batches first, first + 1, ...), changing the learning rate between them as a schedule does."""
     with torch.no_grad():
         for i, (x, y) in enumerate(data, start=first):
-            learner.update.lr.fill_(0.05 / (i + 1))
+            batch_step.updater.state.lr.fill_(0.05 / (i + 1))
             step(x.to(device), y.to(device))
 
 
-def assert_same_state(a: Learner, b: Learner, rtol: float = 0.0, atol: float = 0.0) -> None:
-    ta, tb = learner_tensors(a), learner_tensors(b)
+def assert_same_state(a: BatchStep, b: BatchStep, rtol: float = 0.0, atol: float = 0.0) -> None:
+    ta, tb = step_tensors(a), step_tensors(b)
     assert len(ta) == len(tb)
     for x, y in zip(ta, tb):
         if rtol == 0.0 and atol == 0.0:
@@ -73,30 +74,30 @@ class Spy(TorchDispatchMode):
 
 def test_step_reads_nothing_back_and_draws_no_random_numbers():
     """A captured step may not sync with the host or use the RNG; on CPU this shows as dispatched ops."""
-    learner = fresh_learner(**SHORT)
-    x, y = batches(learner.cfg, 1)[0]
+    step = fresh_step(**SHORT)
+    x, y = batches(step.relax.cfg, 1)[0]
     with torch.no_grad(), Spy() as spy:
-        learner.step(x, y)
+        step.step(x, y)
     assert "index_copy_" in spy.ops  # the memory write is inside the step the graph captures
     banned = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "_assert_async",
               "rand", "randn", "randint", "bernoulli", "normal", "uniform", "multinomial", "randperm", "exponential"}
     assert not spy.ops & banned, spy.ops & banned
 
 
-def test_learner_tensors_cover_everything_the_step_updates():
-    learner = fresh_learner()
-    ids = {id(t) for t in learner_tensors(learner)}
-    names = list(learner.m.named_params())
-    must = [*learner.m.named_params().values(), *learner.update.tensors(names).values(), *learner.memory.tensors().values(),
-            learner.metrics, *learner.ws.state.s, *learner.s0.p, learner.ws.readout.pi]
+def test_step_tensors_cover_everything_the_step_updates():
+    step = fresh_step()
+    ids = {id(t) for t in step_tensors(step)}
+    relax, upd = step.relax, step.updater
+    must = [*relax.m.named_params().values(), *upd.tensors().values(), *step.memory.tensors().values(),
+            *relax.ws.state.s, *relax.s0.p, relax.ws.readout.pi]
     assert all(id(t) in ids for t in must)
-    assert len(ids) == len(learner_tensors(learner))
+    assert len(ids) == len(step_tensors(step))
 
 
 @pytest.mark.skipif(CUDA, reason="checks the fallback on a machine without CUDA")
 def test_graph_mode_without_cuda_warns_once_and_equals_eager_bitwise():
-    eager, graphed = fresh_learner(), fresh_learner()
-    data = batches(eager.cfg, 5)
+    eager, graphed = fresh_step(), fresh_step()
+    data = batches(eager.relax.cfg, 5)
     logs: list[str] = []
     runner = StepRunner(graphed, graphs=True, warmup_steps=2, log=logs.append)
     run(eager.step, eager, data)
@@ -110,8 +111,8 @@ def test_failed_compile_says_so_once_and_runs_eagerly():
     def broken_backend(gm, example_inputs):
         raise RuntimeError("no C++ compiler found")
 
-    eager, compiled = fresh_learner(**SHORT), fresh_learner(**SHORT)
-    data = batches(eager.cfg, 3)
+    eager, compiled = fresh_step(**SHORT), fresh_step(**SHORT)
+    data = batches(eager.relax.cfg, 3)
     logs: list[str] = []
     runner = StepRunner(compiled, compile=True, compile_backend=broken_backend, log=logs.append)
     run(eager.step, eager, data)
@@ -123,8 +124,8 @@ def test_failed_compile_says_so_once_and_runs_eagerly():
 
 def test_compiled_step_equals_eager():
     """Dynamo traces the whole step as one graph (fullgraph) with its in-place updates; aot_eager keeps it fast on CPU."""
-    eager, compiled = fresh_learner(dtype="float32", **SHORT), fresh_learner(dtype="float32", **SHORT)
-    data = batches(eager.cfg, 3)
+    eager, compiled = fresh_step(dtype="float32", **SHORT), fresh_step(dtype="float32", **SHORT)
+    data = batches(eager.relax.cfg, 3)
     logs: list[str] = []
     runner = StepRunner(compiled, compile=True, compile_backend="aot_eager", log=logs.append)
     run(eager.step, eager, data)
@@ -137,8 +138,8 @@ def test_compiled_step_equals_eager():
                     reason="inductor spends minutes compiling C++ kernels on CPU; set TRAINER2_SLOW_TESTS=1 to run")
 def test_inductor_compiled_step_equals_eager_or_falls_back_with_its_message():
     device = "cuda" if CUDA else "cpu"
-    eager, compiled = fresh_learner(device, dtype="float32"), fresh_learner(device, dtype="float32")
-    data = batches(eager.cfg, 3)
+    eager, compiled = fresh_step(device, dtype="float32"), fresh_step(device, dtype="float32")
+    data = batches(eager.relax.cfg, 3)
     logs: list[str] = []
     runner = StepRunner(compiled, compile=True, log=logs.append)
     run(eager.step, eager, data, device)
@@ -171,12 +172,12 @@ def test_trainer_runs_the_step_through_the_runner(small_text, tmp_path):
     graphed, graph_warn = train(use_cudagraphs=True, static_shapes=True, capture_batch_size=8)
     assert plain_warn == [] and plain.runner.mode == "eager"
     assert len(graph_warn) == 1 and "needs a CUDA device" in graph_warn[0]
-    assert_same_state(plain.learner, graphed.learner)
+    assert_same_state(plain.batch_step, graphed.batch_step)
     assert graphed.runner.steps == 3
 
 
 def test_bench_times_every_mode_in_one_run(small_text):
-    from benchmarks.bench import run as bench
+    from trainer2.bench import run as bench
 
     rows, table = bench(["--data", str(small_text), "--hidden_sizes", "8", "--tbptt_window_steps", "3", "--nudge_steps", "2",
                          "--device", "cpu", "--modes", "eager", "graph", "--batch_sizes", "4", "--windows", "2"])
@@ -194,8 +195,8 @@ def test_bench_times_every_mode_in_one_run(small_text):
 @needs_cuda
 def test_graph_replay_equals_eager_on_cuda():
     """Warm-up, capture, replays fed from host (pinned) batches, lr changing between them; then a recapture."""
-    eager, graphed = fresh_learner("cuda", dtype="float32"), fresh_learner("cuda", dtype="float32")
-    data = batches(eager.cfg, 10)
+    eager, graphed = fresh_step("cuda", dtype="float32"), fresh_step("cuda", dtype="float32")
+    data = batches(eager.relax.cfg, 10)
     logs: list[str] = []
     runner = StepRunner(graphed, graphs=True, warmup_steps=2, log=logs.append)
     run(eager.step, eager, [(x.cuda(), y.cuda()) for x, y in data], "cuda")
@@ -210,9 +211,9 @@ def test_graph_replay_equals_eager_on_cuda():
 
 @needs_cuda
 def test_replay_does_not_sync_with_the_host():
-    learner = fresh_learner("cuda", dtype="float32")
-    data = [(x.cuda(), y.cuda()) for x, y in batches(learner.cfg, 6)]
-    runner = StepRunner(learner, graphs=True, warmup_steps=2)
+    step = fresh_step("cuda", dtype="float32")
+    data = [(x.cuda(), y.cuda()) for x, y in batches(step.relax.cfg, 6)]
+    runner = StepRunner(step, graphs=True, warmup_steps=2)
     with torch.no_grad():
         for x, y in data[:3]:
             runner.step(x, y)
@@ -221,25 +222,22 @@ def test_replay_does_not_sync_with_the_host():
         torch.cuda.set_sync_debug_mode("error")
         try:
             for x, y in data[3:]:
-                learner.update.lr.fill_(0.01)
+                step.updater.state.lr.fill_(0.01)
                 runner.step(x, y)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert torch.isfinite(learner.metrics).all()
+    assert torch.isfinite(step.updater.metrics.values).all()
 
 
 @needs_cuda
-def test_failed_capture_says_so_once_and_runs_eagerly(monkeypatch):
-    eager, graphed = fresh_learner("cuda", dtype="float32"), fresh_learner("cuda", dtype="float32")
-    data = [(x.cuda(), y.cuda()) for x, y in batches(eager.cfg, 5)]
-    real_step = graphed.step
-
-    def syncing_step(x, y):
+def test_failed_capture_says_so_once_and_runs_eagerly():
+    def syncing_gradients(relax, x, y):
         float(x.sum())  # a host sync: fine eagerly, illegal while capturing
-        real_step(x, y)
+        return ep_gradients(relax, x, y)
 
-    monkeypatch.setattr(graphed, "step", syncing_step)
+    eager, graphed = fresh_step("cuda", dtype="float32"), fresh_step("cuda", syncing_gradients, dtype="float32")
+    data = [(x.cuda(), y.cuda()) for x, y in batches(eager.relax.cfg, 5)]
     logs: list[str] = []
     runner = StepRunner(graphed, graphs=True, warmup_steps=1, log=logs.append)
     run(eager.step, eager, data, "cuda")
@@ -252,8 +250,8 @@ def test_failed_capture_says_so_once_and_runs_eagerly(monkeypatch):
 
 @needs_cuda
 def test_compiled_step_captured_as_a_graph_equals_eager_on_cuda():
-    eager, both = fresh_learner("cuda", dtype="float32"), fresh_learner("cuda", dtype="float32")
-    data = [(x.cuda(), y.cuda()) for x, y in batches(eager.cfg, 6)]
+    eager, both = fresh_step("cuda", dtype="float32"), fresh_step("cuda", dtype="float32")
+    data = [(x.cuda(), y.cuda()) for x, y in batches(eager.relax.cfg, 6)]
     logs: list[str] = []
     runner = StepRunner(both, graphs=True, compile=True, warmup_steps=2, log=logs.append)
     run(eager.step, eager, data, "cuda")

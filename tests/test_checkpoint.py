@@ -91,14 +91,14 @@ def test_resume_from_periodic_checkpoint_in_place_with_cosine_schedule(tmp_path,
     a.train()
     assert [p.name for p in ck.list_checkpoints(run_dir(tmp_path, "a"))] == ["step_00000020", "step_00000040"]
     b = quiet(cfg.model_copy(update={"run_name": "b"}))
-    live = ck.live_tensors(b)
+    live = b.state_tensors()
     ptrs = {k: t.data_ptr() for k, t in live.items()}
     torch.rand(7)  # disturb the global RNG: the load must restore it
     b.load_checkpoint(run_dir(tmp_path, "a") / "step_00000020")
-    assert {k: t.data_ptr() for k, t in ck.live_tensors(b).items()} == ptrs  # copied in place
+    assert {k: t.data_ptr() for k, t in b.state_tensors().items()} == ptrs  # copied in place
     assert b.progress.window == 20 and b.sampler.state_dict()["pos"] == 160
     b.train()
-    for k, t in ck.live_tensors(a).items():
+    for k, t in a.state_tensors().items():
         assert torch.equal(t, live[k]), k
     assert strip_wall(a.history) == strip_wall(b.history)
     assert a.evaluate() == b.evaluate()
@@ -189,10 +189,10 @@ def test_broken_checkpoint_is_refused_and_nothing_is_harmed(tmp_path, small_text
 def test_refusal_comes_before_any_tensor_is_touched(tmp_path, small_text, saved):
     truncate(saved)
     tr = quiet(config(tmp_path, small_text, run_name="r", max_windows=12))
-    before = {k: t.clone() for k, t in ck.live_tensors(tr).items()}
+    before = {k: t.clone() for k, t in tr.state_tensors().items()}
     with pytest.raises(ck.CheckpointError, match="truncated"):
         tr.load_checkpoint(saved)
-    assert all(torch.equal(t, before[k]) for k, t in ck.live_tensors(tr).items())
+    assert all(torch.equal(t, before[k]) for k, t in tr.state_tensors().items())
     assert tr.progress.window == 0
 
 

@@ -60,7 +60,7 @@ def run_in(cwd: Path, site: Path, *argv: str | Path) -> subprocess.CompletedProc
     return subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_installed_wheel_trains_evaluates_and_samples_from_another_directory(installed, tmp_path):
+def test_the_installed_wheel_runs_every_command_from_another_directory(installed, tmp_path):
     site, work = installed, tmp_path
     # The installed copy is the one imported, and its presets are its own package data.
     r = run_in(work, site, sys.executable, "-c",
@@ -87,6 +87,16 @@ def test_the_installed_wheel_trains_evaluates_and_samples_from_another_directory
     r = run_in(work, site, sys.executable, "-m", "trainer2", "sample", "--checkpoint", ckpt, "--prompt", "The ", "--length", "5")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The ") and len(r.stdout) == len("The ") + 5 + 1  # prompt, 5 characters, print's newline
+
+    r = run_in(work, site, site / "bin" / "trainer2", "bench", "--preset", "dev", "--batch_sizes", "8", "--modes", "eager",
+               "--windows", "2", "--rounds", "1")
+    assert r.returncode == 0, r.stderr
+    assert "eager" in r.stdout and "USDT" not in r.stderr
+
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra
+        r = run_in(work, site, site / "bin" / "trainer2", "plot", "ck/dev")
+        assert r.returncode == 0, r.stderr
+        assert (work / "ck" / "dev" / "plots" / "bpc.png").is_file()
 
 
 def test_python_m_trainer2_cli_prints_help(installed, tmp_path):

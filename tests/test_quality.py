@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -10,11 +11,14 @@ import torch
 
 from benchmarks import quality
 from benchmarks.autograd_reference import cosine, exact_grads
-from benchmarks.exact_gradient_reference import ExactGradLearner, benchmark_config, exact_trainer, train_feedforward
+from benchmarks import exact_gradient_reference as ref_module
+from benchmarks.exact_gradient_reference import benchmark_config, exact_gradients, exact_trainer, train_feedforward
 from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.config import ConfigError, build_config
-from trainer2.learning import Learner
-from trainer2.trainer import Trainer
+from trainer2.gradients import ep_gradients
+from trainer2.relaxation import Relaxation
+from trainer2.trainer import Trainer, lr_at
+from trainer2.update import Updater
 
 FAST = dict(hidden_sizes=[16], coord_dim_n=4, rotor_k=4, context_len=3, embed_dim=3, batch_size=16, tbptt_window_steps=12,
             nudge_steps=6, beta_nudge=0.003, r_init=4.0, proto_init_scale=0.3, log_every_windows=10, eval_every_windows=20,
@@ -25,32 +29,69 @@ def fast_config(tmp_path, data, **overrides):
     return build_config([("test", {**FAST, "data": str(data), "checkpoint_dir": str(tmp_path), "device": "cpu", **overrides})])
 
 
-def test_exact_learner_swaps_only_the_gradient_source():
+def test_exact_gradient_source_is_autograds_gradient():
     cfg = tiny_config(beta_nudge=1e-3, tbptt_window_steps=60, nudge_steps=60)
     m = tiny_machine(cfg)
     inputs, targets = tiny_batch(cfg)
     with torch.no_grad():
-        ep = Learner(m, cfg, cfg.batch_size).grads(inputs, targets)
-        ex = ExactGradLearner(m, cfg, cfg.batch_size).grads(inputs, targets)
+        ep = ep_gradients(Relaxation(m, cfg, cfg.batch_size), inputs, targets)
+        ex = exact_gradients(Relaxation(m, cfg, cfg.batch_size), inputs, targets)
     ref, loss = exact_grads(m, inputs, targets, cfg.tbptt_window_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
-    names = list(m.named_params())
-    for name, g_ex, g_ep in zip(names, ex.grads, ep.grads):
+    assert ex.grads.keys() == ep.grads.keys() == set(m.named_params())
+    for name, g_ex in ex.grads.items():
         torch.testing.assert_close(g_ex, ref[name])  # the autograd gradient itself, parameter by parameter
-        assert cosine(g_ex, g_ep) > 0.999, name  # which EP estimates at small beta
+        assert cosine(g_ex, ep.grads[name]) > 0.999, name  # which EP estimates at small beta
     torch.testing.assert_close(ex.loss, ep.loss)  # same free phase, same readout
     torch.testing.assert_close(ex.loss.mean(), loss)
+    assert float(ex.stats.lior_mean) > 0 and float(ex.stats.lior_nudge) == 0.0  # real free-phase statistics, no nudged phase
 
 
-def test_exact_and_ep_trainers_start_identical_and_both_learn(tmp_path, small_text):
+def test_the_reference_trainer_steps_with_its_own_gradient_source_every_window(tmp_path, small_text, monkeypatch):
+    """The bug this guards against: a gradient source swapped in after the step was wired was never called."""
+    calls: list[int] = []
+    real = ref_module.exact_grads
+    monkeypatch.setattr(ref_module, "exact_grads", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    applied_lr: list[float] = []
+    real_apply = Updater.apply
+    monkeypatch.setattr(Updater, "apply", lambda self, out, targets: (applied_lr.append(float(self.state.lr)), real_apply(self, out, targets))[1])
+    cfg = fast_config(tmp_path, small_text, max_windows=6, lr_warmup_windows=4, lr_schedule="cosine", log_every_windows=3)
+    ex = exact_trainer(cfg, log=lambda *_: None)
+    assert ex.gradients is exact_gradients and ex.runner.batch_step is ex.batch_step
+    ex.train()
+    assert len(calls) == 6  # autograd's gradient, on every step the runner ran
+    assert applied_lr == pytest.approx([lr_at(cfg, w, 6) for w in range(6)])  # the schedule reaches the update that runs
+    rows = [r for r in ex.history if "train_loss" in r]
+    assert len(rows) == 2 and all(r["train_loss"] > 0.5 and r["train_bpc"] > 0.5 and r["lior_mean"] > 0 for r in rows)
+
+
+def test_exact_and_ep_trainers_start_identical_then_part_and_both_learn(tmp_path, small_text):
     cfg = fast_config(tmp_path, small_text)
-    ep, ex = Trainer(cfg, log=lambda *_: None), exact_trainer(cfg, log=lambda *_: None)
-    assert isinstance(ex.learner, ExactGradLearner)
+    ep, ex = Trainer(cfg, log=lambda *_: None), exact_trainer(cfg.model_copy(update={"run_name": "exact"}), log=lambda *_: None)
+    assert ep.gradients is ep_gradients
     for a, b in zip(ep.machine.named_params().values(), ex.machine.named_params().values()):
         assert torch.equal(a, b)
     before = ep.evaluate()["heldout_bpc"]
     ep_bpc, ex_bpc = ep.train()["heldout_bpc"], ex.train()["heldout_bpc"]
+    differ = [n for n, a in ep.machine.named_params().items() if not torch.equal(a, ex.machine.named_params()[n])]
+    assert "W_1" in differ and "emb" in differ  # two learning rules, two trajectories
     assert ep_bpc < before - 0.5 and ex_bpc < before - 0.5
-    assert abs(ep_bpc / ex_bpc - 1) < 0.05  # the two rules agree on a converged, convex machine
+    assert quality.agrees(ep_bpc / ex_bpc, 0.05)  # the two rules agree on a converged, convex machine
+
+
+def test_quality_check_is_two_sided():
+    assert quality.agrees(1.0) and quality.agrees(1.019) and quality.agrees(0.981)
+    assert not quality.agrees(1.03)  # EP much worse than the reference
+    assert not quality.agrees(0.97)  # a reference much worse than EP (as when it trained with EP at a constant rate)
+    assert not quality.agrees(0.88)
+
+
+def test_wired_parts_cannot_be_replaced(tmp_path, small_text):
+    t = Trainer(fast_config(tmp_path, small_text), log=lambda *_: None)
+    for name in ("batch_step", "runner", "machine", "params"):
+        with pytest.raises(AttributeError, match="wired once"):
+            setattr(t, name, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.batch_step.gradients = exact_gradients  # type: ignore[misc]
 
 
 def test_exact_reference_refuses_a_memory_bank(tmp_path, small_text):
@@ -85,6 +126,7 @@ def test_quality_prints_both_figures_and_their_ratio(tmp_path, small_text, monke
     figures = json.loads(out.read_text())
     assert figures["ep"]["examples_seen"] == figures["exact"]["examples_seen"] == 320
     assert figures["ratio"] == pytest.approx(figures["ep"]["heldout_bpc"] / figures["exact"]["heldout_bpc"])
+    assert figures["ff"]["heldout_bpc"] > 0 and figures["agrees"] == quality.agrees(figures["ratio"])
     assert f"ratio EP / exact: {figures['ratio']:.4f}" in text
     assert "feed-forward backprop" in text and "EP cosine" in text
     assert figures["cosine"]["energy"] > 0.99
@@ -96,9 +138,9 @@ def test_production_preset_ep_update_tracks_the_exact_gradient():
     trainer = Trainer(cfg, log=lambda *_: None)
     inputs, targets = trainer.next_batch()
     with torch.no_grad():
-        est = trainer.learner.grads(inputs, targets).grads
+        est = trainer.gradients(trainer.relaxation, inputs, targets).grads
     ref, _ = exact_grads(trainer.machine, inputs, targets, cfg.tbptt_window_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
-    keep = [i for i, n in enumerate(trainer.learner.names) if n[:2] in ("W_", "b_", "em")]
-    a = torch.cat([est[i].flatten() for i in keep])
-    b = torch.cat([ref[trainer.learner.names[i]].flatten() for i in keep])
+    keep = [n for n in est if n[:2] in ("W_", "b_", "em")]
+    a = torch.cat([est[n].flatten() for n in keep])
+    b = torch.cat([ref[n].flatten() for n in keep])
     assert cosine(a, b) > 0.999

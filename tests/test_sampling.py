@@ -10,7 +10,7 @@ import torch
 from trainer2.cli import main
 from trainer2.config import TrainConfig
 from trainer2.data import DataError
-from trainer2.learning import Learner
+from trainer2.relaxation import Relaxation
 from trainer2.sampling import generate, next_char_probs
 from trainer2.trainer import Trainer
 
@@ -26,17 +26,17 @@ def trained(small_text, tmp_path) -> Trainer:
     return t
 
 
-def sampler(t: Trainer) -> Learner:
-    return Learner(t.machine, t.cfg, 1, t.memory)
+def sampler(t: Trainer) -> Relaxation:
+    return Relaxation(t.machine, t.cfg, 1, t.memory)
 
 
 def test_probs_are_the_readout_distribution(trained: Trainer) -> None:
     inputs, targets = trained.data.batch("heldout", torch.arange(16))
-    learner = Learner(trained.machine, trained.cfg, 16, trained.memory)
-    probs = next_char_probs(learner, inputs)
+    relax = Relaxation(trained.machine, trained.cfg, 16, trained.memory)
+    probs = next_char_probs(relax, inputs)
     assert probs.shape == (16, len(trained.data.vocab))
     assert torch.allclose(probs.sum(1), torch.ones(16, dtype=probs.dtype))
-    loss, _ = learner.score(inputs, targets)  # the training loss is -log p_y of the same distribution
+    loss, _ = relax.score(inputs, targets)  # the training loss is -log p_y of the same distribution
     assert math.isclose(float(-probs.gather(1, targets[:, None]).log().sum()), float(loss), rel_tol=1e-9)
 
 

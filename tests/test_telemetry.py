@@ -20,7 +20,7 @@ from tqdm import tqdm
 from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.cli import main
 from trainer2.config import ConfigError, build_config, preset_path, read_yaml
-from trainer2.learning import Learner
+from trainer2.step import build_step
 from trainer2.profiling import PHASES, PhaseTimer, drop_kineto_markers
 from trainer2.telemetry import CacheCleaner, Monitor, Telemetry, TelemetryError, read_telemetry, should_cleanup
 from trainer2.trainer import Trainer
@@ -73,7 +73,7 @@ def test_a_log_interval_reads_the_device_once(small_text, tmp_path, monkeypatch)
     trainer = Trainer(cfg, log=lambda s: None)
     trainer.monitor.start(0)
     for _ in range(2):
-        trainer.learner.step(*trainer.next_batch())
+        trainer.batch_step.step(*trainer.next_batch())
         trainer.progress.window += 1
     reads = []
     for name in ("tolist", "item", "__float__", "__int__", "__bool__", "numpy"):
@@ -182,8 +182,8 @@ def test_step_progress_and_phase_timing_leave_the_result_unchanged():
     cfg = tiny_config(tbptt_window_steps=8, nudge_steps=4)
     plain, watched = tiny_machine(cfg), tiny_machine(cfg)
     calls, timer = [], PhaseTimer(torch.device("cpu"), timing=True)
-    a, b = Learner(plain, cfg, cfg.batch_size), Learner(watched, cfg, cfg.batch_size)
-    b.phase, b.progress_every, b.on_steps = timer.phase, 3, lambda *args: calls.append(args)
+    a, b = build_step(plain, cfg, cfg.batch_size), build_step(watched, cfg, cfg.batch_size)
+    b.relax.phase, b.relax.progress_every, b.relax.on_steps = timer.phase, 3, lambda *args: calls.append(args)
     with torch.no_grad():
         for seed in (1, 2):
             batch = tiny_batch(cfg, seed=seed)
@@ -191,7 +191,7 @@ def test_step_progress_and_phase_timing_leave_the_result_unchanged():
             b.step(*batch)
     for (name, p), q in zip(plain.named_params().items(), watched.named_params().values()):
         assert torch.equal(p, q), name
-    assert torch.equal(a.metrics, b.metrics)
+    assert torch.equal(a.updater.metrics.values, b.updater.metrics.values)
     one = [c[:3] for c in calls[: len(calls) // 2]]
     assert one == [("free", 3, 8), ("free", 6, 8), ("free", 8, 8)] + [("nudged", 3, 4), ("nudged", 4, 4)] * 2
     assert all(math.isfinite(c[3]) and c[4] >= 0 for c in calls)
@@ -201,14 +201,14 @@ def test_step_progress_and_phase_timing_leave_the_result_unchanged():
 
 def test_a_step_that_is_not_eager_is_timed_whole_and_reports_progress_at_window_boundaries(tmp_path):
     cfg = tiny_config(step_progress_every=4, timing_debug=True, tbptt_window_steps=8, nudge_steps=4)
-    learner = Learner(tiny_machine(cfg), cfg, cfg.batch_size)
+    step = build_step(tiny_machine(cfg), cfg, cfg.batch_size)
     said = []
     mon = Monitor(cfg, torch.device("cpu"), tmp_path, eager=False, log=said.append)
-    mon.attach(learner, bar=None)  # as with CUDA graphs or torch.compile: nothing may run inside the step
-    assert learner.on_steps is None and learner.phase != mon.timer.phase
+    mon.attach(step.relax, tqdm(disable=False, file=io.StringIO()), "run")  # as with CUDA graphs or torch.compile: nothing may run inside the step
+    assert step.relax.on_steps is None and step.relax.phase != mon.timer.phase
     assert len(said) == 1 and "window boundaries" in said[0]
     with torch.no_grad(), mon.step_phase():
-        learner.step(*tiny_batch(cfg))
+        step.step(*tiny_batch(cfg))
     times = mon.timer.collect(1)
     assert list(times) == ["time_step_ms"] and times["time_step_ms"] > 0
 
@@ -218,7 +218,7 @@ def test_progress_bar_in_a_pipe_does_not_flood(small_text, tmp_path, capsys, mon
 
     class Spy(tqdm):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+            super().__init__(*args, **{**kwargs, "disable": False})  # a bar that shows, whatever TQDM_DISABLE says
             bars.append(self)
 
     monkeypatch.setattr("trainer2.trainer.tqdm", Spy)
@@ -259,6 +259,20 @@ def test_the_compile_is_kept_out_of_the_progress_bars_rate_and_eta(small_text, t
     trainer.train()
     last = bars[0].last
     assert last["n"] == 6 and last["elapsed"] == pytest.approx(5.0)  # 5 windows of 1 s; the compile is not one
+
+
+def test_a_disabled_bar_with_step_progress_runs_and_reads_nothing_per_step(small_text, tmp_path, monkeypatch):
+    """TQDM_DISABLE=1 (as CI and users set) used to end in AttributeError: 'tqdm' object has no attribute 'desc'."""
+    class Disabled(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": True})  # what TQDM_DISABLE=1 does (tqdm reads it at import)
+
+    monkeypatch.setattr("trainer2.trainer.tqdm", Disabled)
+    cfg = build_config([("test", run_flags(small_text, tmp_path, max_windows=3, log_every_windows=1, eval_every_windows=0,
+                                           step_progress_every=2))])
+    trainer = Trainer(cfg, log=lambda s: None)
+    assert trainer.train()["windows"] == 3
+    assert trainer.relaxation.on_steps is None  # nothing shows progress, so none is read back
 
 
 def write_rows(path: Path, n: int) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from trainer2.cli import main
 from trainer2.config import build_config
-from trainer2.learning import Learner
+from trainer2.step import BatchStep
 from trainer2.trainer import Trainer
 
 FAST = dict(hidden_sizes=[32], coord_dim_n=8, rotor_k=8, context_len=4, embed_dim=4, batch_size=16,
@@ -34,17 +34,17 @@ def test_short_run_lowers_heldout_loss_and_writes_summary(tmp_path, small_text):
 
 def test_grad_mode_is_off_and_no_tensor_requires_grad(tmp_path, small_text, monkeypatch):
     seen: list[bool] = []
-    original = Learner.step
+    original = BatchStep.step
 
     def spy(self, inputs, targets):
         seen.append(torch.is_grad_enabled())
         original(self, inputs, targets)
 
-    monkeypatch.setattr(Learner, "step", spy)
+    monkeypatch.setattr(BatchStep, "step", spy)
     trainer = Trainer(fast_config(tmp_path, small_text, max_windows=5), log=lambda *_: None)
     trainer.train()
     assert seen and not any(seen)
-    tensors = list(trainer.machine.named_params().values()) + trainer.learner.update.bufs
+    tensors = list(trainer.machine.named_params().values()) + trainer.updater.state.bufs
     assert not any(t.requires_grad for t in tensors)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tiny import tiny_config
-from trainer2.learning import UpdateState, foreach_update
+from trainer2.update import UpdateState, foreach_update
 
 
 def make_state(params, rule: str) -> UpdateState:

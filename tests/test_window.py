@@ -6,17 +6,17 @@ import torch
 
 from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.energy import energy, input_drive
-from trainer2.learning import Learner
+from trainer2.relaxation import Relaxation
 from trainer2.window import run_window
 
 
 def primed_learner(**overrides):
     cfg = tiny_config(**overrides)
     m = tiny_machine(cfg)
-    learner = Learner(m, cfg, cfg.batch_size)
+    learner = Relaxation(m, cfg, cfg.batch_size)
     inputs, targets = tiny_batch(cfg)
     with torch.no_grad():
-        _, frame, _ = learner.free_phase(inputs, targets)
+        frame = learner.free_phase(inputs, targets).frame
     return cfg, m, learner, frame, m.input_vectors(inputs)
 
 

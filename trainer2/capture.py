@@ -1,4 +1,4 @@
-"""Runs the whole batch step (`Learner.step`) eagerly, compiled, or as a replayed CUDA graph: one code path.
+"""Runs the whole batch step (`BatchStep.step`) eagerly, compiled, or as a replayed CUDA graph: one code path.
 
 Every batch is first copied into static device buffers. Graph mode warms the step up on a side
 stream, captures it once with torch.cuda.graph (free window, nudged windows, update, constraints,
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
-from trainer2.learning import Learner
+from trainer2.step import BatchStep
 
 Log = Callable[[str], None]
 
@@ -30,14 +30,21 @@ def reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def learner_tensors(learner: Learner) -> list[Tensor]:
-    """Every tensor a batch step reads or writes in place (parameters, optimiser, memory, workspace), once each."""
+def step_tensors(step: BatchStep) -> list[Tensor]:
+    """Every tensor a batch step reads or writes in place (parameters, update state, memory, workspace), once each.
+
+    Walks the step's parts: dataclasses, trainer2 objects, lists, tuples and dicts."""
     found: dict[int, Tensor] = {}
+    seen: set[int] = set()
 
     def walk(obj: object) -> None:
         if isinstance(obj, Tensor):
             found.setdefault(id(obj), obj)
-        elif isinstance(obj, (list, tuple)):
+            return
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
             for o in obj:
                 walk(o)
         elif isinstance(obj, dict):
@@ -46,9 +53,11 @@ def learner_tensors(learner: Learner) -> list[Tensor]:
         elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             for f in dataclasses.fields(obj):
                 walk(getattr(obj, f.name))
+        elif type(obj).__module__.startswith("trainer2.") and hasattr(obj, "__dict__"):
+            for o in vars(obj).values():
+                walk(o)
 
-    for value in vars(learner).values():
-        walk(value)
+    walk(step)
     return list(found.values())
 
 
@@ -96,15 +105,15 @@ class StaticBatch:
 
 
 class StepRunner:
-    """`step(inputs, targets)` = `learner.step` on static buffers, run eagerly, through torch.compile, or by
+    """`step(inputs, targets)` = `BatchStep.step` on static buffers, run eagerly, through torch.compile, or by
     replaying a CUDA graph captured after `warmup_steps` eager steps on a side stream."""
 
     def __init__(
-        self, learner: Learner, *, graphs: bool = False, compile: bool = False, warmup_steps: int = 3,
+        self, step: BatchStep, *, graphs: bool = False, compile: bool = False, warmup_steps: int = 3,
         compile_mode: str = "default", compile_backend: str | Callable = "inductor", log: Log = print,
     ) -> None:
-        self.learner, self.log = learner, log
-        self.device = learner.metrics.device
+        self.batch_step, self.log = step, log
+        self.device = step.device
         if graphs and self.device.type != "cuda":
             log("warning: --use_cudagraphs needs a CUDA device; none is in use here, so the run goes on eagerly")
             graphs = False
@@ -117,9 +126,9 @@ class StepRunner:
         if compile:
             kw = {"mode": compile_mode} if compile_backend == "inductor" else {}
             # fullgraph: the step is one graph or nothing, so a failed compile has run none of it.
-            self.compiled = torch.compile(learner.step, fullgraph=True, dynamic=False, backend=compile_backend, **kw)
+            self.compiled = torch.compile(step.step, fullgraph=True, dynamic=False, backend=compile_backend, **kw)
             if self.cudagraph_trees:
-                for t in learner_tensors(learner):  # updated in place: graphs may keep their addresses
+                for t in step_tensors(step):  # updated in place: graphs may keep their addresses
                     torch._dynamo.mark_static_address(t)
         self.batch: StaticBatch | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -127,8 +136,8 @@ class StepRunner:
         self.steps = 0
 
     @staticmethod
-    def from_config(learner: Learner, cfg: TrainConfig, log: Log = print) -> "StepRunner":
-        return StepRunner(learner, graphs=cfg.use_cudagraphs, compile=cfg.use_torch_compile, warmup_steps=cfg.warmup_steps,
+    def from_config(step: BatchStep, cfg: TrainConfig, log: Log = print) -> "StepRunner":
+        return StepRunner(step, graphs=cfg.use_cudagraphs, compile=cfg.use_torch_compile, warmup_steps=cfg.warmup_steps,
                           compile_mode=cfg.compile_mode, log=log)
 
     @property
@@ -179,7 +188,7 @@ class StepRunner:
                 self.compiled, self.cudagraph_trees = None, False
                 rest = "without compiling" if self.own_graphs else "eagerly"
                 self.log(f"warning: torch.compile of the batch step failed ({reason(e)}); the run goes on {rest}")
-        self.learner.step(b.inputs, b.targets)
+        self.batch_step.step(b.inputs, b.targets)
 
     def _warm_up(self) -> None:
         """One eager (or compiling) step on a side stream, as CUDA graph capture requires."""
@@ -192,7 +201,7 @@ class StepRunner:
 
     def _capture(self) -> bool:
         """Record the whole step on the static buffers; False (after one message) if CUDA refuses it."""
-        fn = self.compiled or self.learner.step
+        fn = self.compiled or self.batch_step.step
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):

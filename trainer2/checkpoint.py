@@ -1,5 +1,8 @@
 """Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/ with tensors.safetensors and a meta.json sidecar.
 
+This module does the atomic I/O and the validation; what goes into a checkpoint is the Trainer's
+(`Trainer.state_dict` / `load_state_dict`), and the resume policy is trainer2.resume's.
+
 A save writes a temporary directory beside the target, fsyncs it and renames it into place, so a
 directory named step_<N> is always complete; the sidecar (written last) carries the size and sha256
 of the tensor file, so truncation and corruption are caught on load. Loading copies into the live
@@ -11,10 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,11 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from trainer2.config import ConfigError, TrainConfig, build_config
+from trainer2.config import TrainConfig
 
 if TYPE_CHECKING:
     from trainer2.data import Dataset
-    from trainer2.trainer import Trainer
 
 FORMAT_VERSION = 1
 TENSORS_FILE = "tensors.safetensors"
@@ -62,7 +62,7 @@ def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     return int(STEP_RE.fullmatch(path.name).group(1))
 
 
@@ -71,7 +71,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not run_dir.is_dir():
         return []
     found = [p for p in run_dir.iterdir() if p.is_dir() and STEP_RE.fullmatch(p.name)]
-    return sorted(found, key=_step_of)
+    return sorted(found, key=step_of)
 
 
 def find_latest(run_dir: Path) -> Path:
@@ -211,27 +211,6 @@ def check_config(saved: dict[str, Any], cfg: TrainConfig, source: Path) -> None:
                               + "\n  ".join(bad))
 
 
-def resume_config(spec: str, layers: list[tuple[str, dict[str, Any]]]) -> tuple[TrainConfig, Path]:
-    """(config, checkpoint path) for --resume: the checkpoint's saved config overlaid by the user's layers."""
-    given: dict[str, Any] = {}
-    for _, layer in layers:
-        given.update(layer)
-    fields = TrainConfig.model_fields
-    run_dir = Path(given.get("checkpoint_dir", fields["checkpoint_dir"].default)) / given.get("run_name", fields["run_name"].default)
-    path = resolve_checkpoint(spec, run_dir)
-    meta = read_meta(path)
-    try:
-        cfg = build_config([(f"checkpoint {path}", meta["config"]), *layers])
-    except ConfigError as e:
-        raise CheckpointError(f"{path / META_FILE}: its config cannot be used: {e}") from None
-    check_config(meta["config"], cfg, path)
-    newer = [p for p in list_checkpoints(Path(cfg.checkpoint_dir) / cfg.run_name) if _step_of(p) > meta["step"] and p.resolve() != path.resolve()]
-    if newer:
-        raise CheckpointError(f"checkpoint {path} is older than {newer[-1]} of the same run; continuing here would mix "
-                              "two histories: pass --run_name NEW to branch off, or --resume latest")
-    return cfg, path
-
-
 # --- trainer state ---
 
 
@@ -245,17 +224,10 @@ def data_fingerprint(data: Dataset) -> dict[str, Any]:
             "num_heldout": data.num_examples("heldout"), "sha256": h.hexdigest()}
 
 
-def live_tensors(tr: Trainer) -> dict[str, Tensor]:
-    """Every tensor of the run's state that load copies into in place: parameters, update state, metrics, memory."""
-    out = {f"param.{k}": v for k, v in tr.machine.named_params().items()}
-    out.update(tr.learner.update.tensors(tr.learner.names))
-    out["metrics"] = tr.learner.metrics
-    if tr.memory is not None:
-        out.update(tr.memory.tensors())
-    return out
+def versions() -> dict[str, str]:
+    """Library versions, recorded in every checkpoint."""
+    import platform
 
-
-def _versions() -> dict[str, str]:
     import numpy
     import pydantic
     import safetensors
@@ -264,88 +236,34 @@ def _versions() -> dict[str, str]:
             "numpy": numpy.__version__, "pydantic": pydantic.__version__}
 
 
-def save_trainer(tr: Trainer) -> Path:
-    """Checkpoint the trainer at its current window, then prune to keep_last."""
-    tensors = dict(live_tensors(tr))
-    tensors.update({f"sampler.{k}": v for k, v in tr.sampler.state_dict().items()})
-    tensors["rng.cpu"] = torch.get_rng_state()
-    if tr.device.type == "cuda":
-        tensors["rng.cuda"] = torch.cuda.get_rng_state(tr.device)
-    p = tr.progress
-    meta = {
-        "config": tr.cfg.model_dump(mode="json"),
-        "counters": {"window": p.window, "examples": p.examples, "epoch": p.window / tr.sampler.batches_per_epoch,
-                     "sampler_epoch": tr.sampler.epoch, "sampler_pos": int(tr.sampler.state_dict()["pos"]),
-                     "wall_seconds": p.wall_seconds},
-        "data": data_fingerprint(tr.data),
-        "history": tr.history,
-        "versions": _versions(),
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    path = save(tr.run_dir, p.window, tensors, meta)
-    prune(tr.run_dir, tr.cfg.keep_last)
-    return path
 
 
-def load_trainer(tr: Trainer, path: Path) -> dict[str, Any]:
-    """Restore a trainer from a checkpoint in place; everything is checked before anything is copied. Returns the sidecar."""
-    meta = read_meta(path)
-    check_config(meta["config"], tr.cfg, path)
-    data = data_fingerprint(tr.data)
+def check_data(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint whose data fingerprint differs from the data loaded now, naming what differs."""
     for key in ("kind", "vocab", "num_train", "num_heldout", "sha256"):
-        if meta["data"].get(key) != data[key]:
+        if saved.get(key) != now[key]:
             what = "vocabulary" if key == "vocab" else key
             raise CheckpointError(f"checkpoint {path}: the data differs from the checkpoint's ({what}: checkpoint "
-                                  f"{meta['data'].get(key)!r}, now {data[key]!r}; source {data['source']})")
-    loaded = load_tensors(path, meta)
-    live = live_tensors(tr)
-    sampler_keys = {f"sampler.{k}" for k in tr.sampler.state_dict()}
-    expected = set(live) | sampler_keys | {"rng.cpu"}
-    file = path / TENSORS_FILE
-    missing, extra = sorted(expected - set(loaded)), sorted(set(loaded) - expected - {"rng.cuda"})
+                                  f"{saved.get(key)!r}, now {now[key]!r}; source {now['source']})")
+
+
+def check_tensors(loaded: dict[str, Tensor], like: dict[str, Tensor], file: Path, optional: frozenset[str] = frozenset()) -> None:
+    """Refuse a tensor file whose names, shapes or dtypes differ from `like` (names in `optional` may be absent or extra)."""
+    missing = sorted(set(like) - set(loaded) - optional)
+    extra = sorted(set(loaded) - set(like) - optional)
     if missing or extra:
         raise CheckpointError(f"{file}: tensor names do not match this trainer (missing {missing}, unexpected {extra})")
-    like = {**live, **{f"sampler.{k}": v for k, v in tr.sampler.state_dict().items()}, "rng.cpu": torch.get_rng_state()}
     for k, dst in like.items():
+        if k not in loaded:
+            continue
         src = loaded[k]
         if src.shape != dst.shape or src.dtype != dst.dtype:
             raise CheckpointError(f"{file}: tensor {k!r} is {src.dtype} {tuple(src.shape)}, expected {dst.dtype} {tuple(dst.shape)}")
+
+
+def check_counters(meta: dict[str, Any], path: Path) -> None:
+    """The sidecar's counters must be numbers."""
     c = meta["counters"]
     for k in ("window", "examples", "wall_seconds"):
-        if not isinstance(c.get(k), (int, float)):
+        if not isinstance(c.get(k), (int, float)) or isinstance(c.get(k), bool):
             raise CheckpointError(f"{path / META_FILE}: counters.{k} must be a number, got {c.get(k)!r}")
-    if meta.get("versions", {}).get("torch") != torch.__version__:
-        tr.log(f"warning: checkpoint {path} was written with torch {meta.get('versions', {}).get('torch')}, "
-               f"this is {torch.__version__}; the resumed run may not be bitwise identical")
-    for k, dst in live.items():
-        dst.copy_(loaded[k])
-    tr.sampler.load_state_dict({k.removeprefix("sampler."): loaded[k] for k in sampler_keys})
-    torch.set_rng_state(loaded["rng.cpu"])
-    if tr.device.type == "cuda" and "rng.cuda" in loaded:
-        torch.cuda.set_rng_state(loaded["rng.cuda"], tr.device)
-    tr.progress.window, tr.progress.examples, tr.progress.wall_seconds = int(c["window"]), int(c["examples"]), float(c["wall_seconds"])
-    tr.history = list(meta["history"])
-    return meta
-
-
-def fresh_run_guard(cfg: TrainConfig) -> None:
-    """Refuse to start a fresh run over a run directory that already holds checkpoints (pruning would mix them)."""
-    found = list_checkpoints(Path(cfg.checkpoint_dir) / cfg.run_name)
-    if found:
-        raise CheckpointError(f"run {cfg.run_name!r} already has checkpoints (newest {found[-1]}): pass --resume latest "
-                              "to continue it, or a new --run_name to start another run")
-
-
-def load_for_inference(path: str | Path, overrides: dict[str, Any] | None = None) -> "Trainer":
-    """A Trainer restored from checkpoint directory `path`, for evaluation or sampling; `overrides` may set
-    run-steering fields such as device or eval_batches. Progress messages go to stderr."""
-    import sys
-
-    from trainer2.trainer import Trainer
-
-    path = Path(path)
-    meta = read_meta(path)
-    cfg = build_config([(f"checkpoint {path}", meta["config"]), ("command line", overrides or {})])
-    trainer = Trainer(cfg, log=lambda msg: print(msg, file=sys.stderr))
-    trainer.load_checkpoint(path)
-    return trainer

@@ -1,6 +1,6 @@
 """Command line: `trainer2 [train] [--preset NAME] [--config FILE] [--FIELD VALUE ...]`.
 
-Every TrainConfig field is a flag of the same name, generated from the model so flags never drift.
+Every TrainConfig field is a flag of the same name (trainer2.flags); subcommands evaluate, sample, plot and bench.
 """
 
 from __future__ import annotations
@@ -8,44 +8,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import types
-import typing
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Callable
 
-from trainer2.checkpoint import CheckpointError, fresh_run_guard, load_for_inference, read_meta, resume_config
-from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path, read_yaml
+from trainer2.checkpoint import CheckpointError, read_meta
+from trainer2.config import ConfigError, annotated_yaml, build_config, config_origins
 from trainer2.data import DataError
+from trainer2.flags import add_config_flags, config_layers, none_or, resolve_config
 from trainer2.plot import cmd_plot
+from trainer2.resume import fresh_run_guard, resume_config
 from trainer2.tracking import check_tracking
-
-
-def _none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    def parse_optional(text: str) -> Any:
-        return None if text.lower() in ("none", "null") else parse(text)
-
-    parse_optional.__name__ = getattr(parse, "__name__", "value")
-    return parse_optional
-
-
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field; absent flags stay out of the namespace so lower layers show through."""
-    group = parser.add_argument_group("config fields (each overrides presets and --config)")
-    for name, field in TrainConfig.model_fields.items():
-        ann = field.annotation
-        args = typing.get_args(ann)
-        optional = typing.get_origin(ann) in (typing.Union, types.UnionType) and type(None) in args
-        base = next(a for a in args if a is not type(None)) if optional else ann
-        kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"{field.description} (default: {field.default})"}
-        if base is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(base) is Literal:
-            kw["choices"] = list(typing.get_args(base))
-        elif typing.get_origin(base) is list:
-            kw.update(nargs="+", type=typing.get_args(base)[0], metavar="N")
-        else:
-            kw.update(type=_none_or(base) if optional else base, metavar=base.__name__.upper())
-        group.add_argument(f"--{name}", **kw)
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -63,24 +35,6 @@ def train_parser() -> argparse.ArgumentParser:
                    "value commented with the layer it came from, and exit without loading data or touching checkpoints.")
     add_config_flags(p)
     return p
-
-
-def resolve_config(args: argparse.Namespace) -> TrainConfig:
-    """Build the layered config from parsed arguments."""
-    return build_config(config_layers(args))
-
-
-def config_layers(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
-    """(source, values) layers from --preset, --config and flags, lowest first."""
-    layers: list[tuple[str, dict[str, Any]]] = []
-    if args.preset:
-        path = preset_path(args.preset)
-        layers.append((f"preset {path}", read_yaml(path)))
-    if args.config:
-        layers.append((f"config {args.config}", read_yaml(Path(args.config))))
-    flags = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields}
-    layers.append(("command line", flags))
-    return layers
 
 
 def print_config(args: argparse.Namespace) -> int:
@@ -121,10 +75,8 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    try:
-        from benchmarks.bench import main as bench_main
-    except ImportError as e:
-        raise ConfigError(f"bench needs the source checkout's benchmarks/ package on the path ({e})") from None
+    from trainer2.bench import main as bench_main
+
     return bench_main(argv)
 
 
@@ -138,12 +90,14 @@ def cmd_evaluate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="trainer2 evaluate", description="Print the held-out metrics of a checkpoint as JSON.")
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="A step_<N>/ checkpoint directory.")
     p.add_argument("--device", default=argparse.SUPPRESS, help="Device to evaluate on (default: the checkpoint's).")
-    p.add_argument("--eval_batches", type=_none_or(int), default=argparse.SUPPRESS, metavar="N",
+    p.add_argument("--eval_batches", type=none_or(int), default=argparse.SUPPRESS, metavar="N",
                    help="Held-out batches of 512 to score; none = all (default: the checkpoint's).")
     args = vars(p.parse_args(argv))
     path = Path(args.pop("checkpoint"))
-    trainer = load_for_inference(path, args)
-    out = {"checkpoint": str(path), "window": trainer.progress.window, **trainer.evaluate()}
+    from trainer2.evaluation import load_trained
+
+    trained = load_trained(path, args)
+    out = {"checkpoint": str(path), "window": trained.window, **trained.evaluate()}
     print(json.dumps(out, indent=2))
     return 0
 

@@ -12,7 +12,6 @@ squared distances are expanded into matrix products so no (B, K, n) tensor is ev
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -24,14 +24,21 @@ class Machine:
     num_classes: int
 
     def named_params(self) -> dict[str, Tensor]:
-        """Every learned tensor by a stable name (checkpoint keys, update order)."""
+        """Every learned tensor by a stable name. This order is the one order of the parameters (update lists,
+        checkpoint keys): emb (text only), W_1, b_1, ..., W_out, b_out, g_diag, theta, protos, r_sc."""
         out: dict[str, Tensor] = {} if self.emb is None else {"emb": self.emb}
-        last = len(self.energy.weights) - 1
-        for i, (w, b) in enumerate(zip(self.energy.weights, self.energy.biases)):
-            tag = "out" if i == last else str(i + 1)
-            out[f"W_{tag}"], out[f"b_{tag}"] = w, b
+        out.update(self.energy_names(self.energy.weights, self.energy.biases))
         r = self.readout
         out.update(g_diag=r.g_diag, theta=r.theta, protos=r.protos, r_sc=r.r_sc)
+        return out
+
+    def energy_names(self, weights: list[Tensor], biases: list[Tensor]) -> dict[str, Tensor]:
+        """Per-layer tensors (couplings or their gradients) by name: W_1, b_1, ..., W_out, b_out."""
+        last = len(self.energy.weights) - 1
+        out: dict[str, Tensor] = {}
+        for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
+            tag = "out" if i == last else str(i + 1)
+            out[f"W_{tag}"], out[f"b_{tag}"] = w, b
         return out
 
     def state_sizes(self) -> list[int]:

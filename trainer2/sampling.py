@@ -12,12 +12,10 @@ import argparse
 import torch
 from torch import Tensor
 
-from trainer2.checkpoint import load_for_inference
 from trainer2.config import ConfigError
 from trainer2.data import encode
-from trainer2.geometry import readout_weights
-from trainer2.learning import Learner
-
+from trainer2.evaluation import load_trained
+from trainer2.relaxation import Relaxation
 
 
 def pad_char(vocab: list[str]) -> str:
@@ -26,32 +24,29 @@ def pad_char(vocab: list[str]) -> str:
 
 
 @torch.no_grad()
-def next_char_probs(learner: Learner, contexts: Tensor) -> Tensor:
-    """contexts int64 (B, context_len) -> class probabilities (B, V) after a free phase (B = learner.batch)."""
-    # beta = 0 in the free phase, so the targets it takes are never read; zeros stand in.
+def next_char_probs(relax: Relaxation, contexts: Tensor) -> Tensor:
+    """contexts int64 (B, context_len) -> class probabilities (B, V) after a free phase (B = relax.batch)."""
+    # beta = 0 in the free phase, so the targets it takes only pick the loss, which is not used here.
     targets = torch.zeros(contexts.shape[0], dtype=torch.long, device=contexts.device)
-    _, frame, cand = learner.free_phase(contexts, targets)
-    sc = learner.ws.readout
-    readout_weights(learner.s0.s[-1], frame, learner.ws.target_mask, sc)
-    probs = torch.zeros(contexts.shape[0], learner.m.num_classes, dtype=sc.pi.dtype, device=sc.pi.device)
-    return probs.index_add_(1, cand.labels, sc.pi)  # p_v sums the weights of every candidate labelled v
+    _, probs = relax.readout_scores(relax.free_phase(contexts, targets))
+    return probs
 
 
 @torch.no_grad()
-def generate(learner: Learner, vocab: list[str], prompt: str, length: int, temperature: float, seed: int) -> str:
+def generate(relax: Relaxation, vocab: list[str], prompt: str, length: int, temperature: float, seed: int) -> str:
     """The `length` characters that follow `prompt`. temperature scales the log-probabilities (0 = argmax);
     draws come from a torch.Generator seeded with `seed`, so a fixed seed gives the same text."""
-    if learner.batch != 1:
-        raise ValueError(f"generate needs a Learner of batch size 1, got {learner.batch}")
+    if relax.batch != 1:
+        raise ValueError(f"generate needs a Relaxation of batch size 1, got {relax.batch}")
     if length < 0 or temperature < 0:
         raise ValueError(f"length and temperature must be >= 0, got {length} and {temperature}")
-    ctx_len, device = learner.cfg.context_len, learner.m.readout.protos.device
+    ctx_len, device = relax.cfg.context_len, relax.device
     ids = encode(prompt, vocab, "--prompt")
     ids = torch.cat([encode(pad_char(vocab) * ctx_len, vocab, "pad"), ids])[-ctx_len:].to(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = torch.empty(length, dtype=torch.long, device=device)
     for t in range(length):
-        probs = next_char_probs(learner, ids[None])[0]
+        probs = next_char_probs(relax, ids[None])[0]
         if temperature == 0:
             nxt = probs.argmax()
         else:
@@ -84,10 +79,9 @@ def cmd_sample(argv: list[str]) -> int:
         p.error(f"--length must be >= 0, got {args.length}")
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
-    trainer = load_for_inference(args.checkpoint, {"device": args.device})
-    cfg, vocab = trainer.cfg, trainer.data.vocab
+    trained = load_trained(args.checkpoint, {"device": args.device})
+    vocab = trained.data.vocab
     if not vocab:
         raise ConfigError(f"--checkpoint {args.checkpoint}: trained on feature data, not text; sample needs a text model")
-    learner = Learner(trainer.machine, cfg, 1, trainer.memory)
-    print(args.prompt + generate(learner, vocab, args.prompt, args.length, args.temperature, args.seed))
+    print(args.prompt + generate(trained.relaxation(1), vocab, args.prompt, args.length, args.temperature, args.seed))
     return 0

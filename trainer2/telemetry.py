@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from trainer2.config import TrainConfig, to_yaml
-from trainer2.learning import Learner
+from trainer2.relaxation import Relaxation
 from trainer2.profiling import PhaseTimer, WindowProfiler, timing_table
 from trainer2.tracking import TensorBoardLog
 
@@ -146,14 +146,15 @@ class Monitor:
         self.board: TensorBoardLog | None = None  # --tensorboard
         self.last_window = 0  # window of the last record: timings are averaged over the windows since
 
-    def attach(self, learner: Learner, bar: tqdm) -> None:
-        """Hook the timer's phases and step progress into the learner when its step runs eagerly; a captured
-        or compiled step is timed as a whole ("step") instead, since events and host reads cannot go inside."""
+    def attach(self, relax: Relaxation, bar: tqdm, desc: str) -> None:
+        """Hook the timer's phases and step progress into the relaxation when the step runs eagerly; a captured
+        or compiled step is timed as a whole ("step") instead, since events and host reads cannot go inside.
+        A disabled bar (TQDM_DISABLE=1) shows nothing, so no step progress is read back for it."""
         if self.eager and (self.cfg.timing_debug or self.cfg.profile_windows):
-            learner.phase = self.timer.phase
-        if self.cfg.step_progress_every:
+            relax.phase = self.timer.phase
+        if self.cfg.step_progress_every and not bar.disable:
             if self.eager:
-                learner.progress_every, learner.on_steps = self.cfg.step_progress_every, StepReporter(bar, bar.desc)
+                relax.progress_every, relax.on_steps = self.cfg.step_progress_every, StepReporter(bar, desc)
             else:
                 self.log("note: step_progress_every: graph-compiled windows run whole, so progress is reported at window boundaries only")
 

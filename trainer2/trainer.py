@@ -1,4 +1,8 @@
-"""The training recipe: setup, train, evaluate, save. Grad mode is off throughout; nothing here uses autograd."""
+"""The training recipe: setup, train, evaluate, save. Grad mode is off throughout; nothing here uses autograd.
+
+The Trainer is the one owner of a run's parts: it builds the machine, the batch step (from the gradient
+source it is given, EP by default) and the runner once, in __init__, and never replaces them.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +11,28 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
-from trainer2.checkpoint import load_trainer, save_trainer
+from trainer2 import checkpoint as ck
 from trainer2.capture import StepRunner
-from trainer2.config import ConfigError, TrainConfig, to_yaml
-from trainer2.data import Dataset, Sampler, heldout_batches, load_dataset
-from trainer2.learning import METRICS, Learner
+from trainer2.config import TrainConfig, to_yaml
+from trainer2.data import Dataset, Sampler, load_dataset
+from trainer2.evaluation import heldout_metrics, resolve_device
+from trainer2.gradients import GradientSource, ep_gradients
 from trainer2.machine import Machine, build_machine
 from trainer2.memory import MemoryBank
+from trainer2.params import ParamTable
+from trainer2.relaxation import Relaxation
+from trainer2.step import BatchStep, build_step
 from trainer2.telemetry import Monitor
+from trainer2.update import Updater
 
-EVAL_BATCH = 512
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> CUDA when present, else CPU; an explicit CUDA device without CUDA is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device: {name!r} asked for, but CUDA is not available on this machine; use --device cpu")
-    return torch.device(name)
+# Parts wired once in __init__; assigning one afterwards is refused (pass gradients= to Trainer instead).
+WIRED = frozenset({"cfg", "device", "data", "machine", "memory", "params", "batch_step", "runner", "sampler", "monitor", "run_dir"})
 
 
 def lr_at(cfg: TrainConfig, window: int, total: int) -> float:
@@ -52,12 +55,12 @@ class Progress:
 
 
 class Trainer:
-    """setup (in __init__) / train / evaluate / save_summary."""
+    """setup (in __init__) / train / evaluate / save_summary; state_dict / load_state_dict for checkpoints."""
 
-    def __init__(self, cfg: TrainConfig, log=print) -> None:
+    def __init__(self, cfg: TrainConfig, gradients: GradientSource = ep_gradients, log=print) -> None:
         self.cfg, self.log = cfg, log
         self.device = resolve_device(cfg.device)
-        self.graphs = cfg.use_cudagraphs and self.device.type == "cuda"  # without CUDA the StepRunner warns once
+        graphs = cfg.use_cudagraphs and self.device.type == "cuda"  # without CUDA the StepRunner warns once
         torch.manual_seed(cfg.seed)  # the global RNGs too, so anything drawing from them repeats (and is checkpointed)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
@@ -66,16 +69,36 @@ class Trainer:
         self.machine: Machine = build_machine(cfg, self.data.num_classes, self.data.input_dim, self.data.kind == "text", self.device)
         like = self.machine.readout.protos
         self.memory = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, like) if cfg.memory_capacity else None
-        self.learner = Learner(self.machine, cfg, cfg.batch_size, self.memory)
-        self.runner = StepRunner.from_config(self.learner, cfg, log)
+        self.params = ParamTable.build(self.machine, cfg)
+        self.batch_step: BatchStep = build_step(self.machine, cfg, cfg.batch_size, self.memory, gradients, self.params)
+        self.runner = StepRunner.from_config(self.batch_step, cfg, log)
         self.sampler = Sampler(self.data.num_examples("train"), cfg.batch_size, cfg.seed)
         self.progress = Progress()
         self.history: list[dict[str, float]] = []
-        self._eval_learners: dict[int, Learner] = {}
+        self._eval_relaxations: dict[int, Relaxation] = {}  # scoring only: no update state
         self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
-        self.monitor = Monitor(cfg, self.device, self.run_dir, eager=not (self.graphs or cfg.use_torch_compile), log=log)
+        self.monitor = Monitor(cfg, self.device, self.run_dir, eager=not (graphs or cfg.use_torch_compile), log=log)
         self._interval = (time.perf_counter(), 0)  # (clock, window) where the current log interval began
         self.text = self.data.kind == "text"  # bits per character only mean something for text
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in WIRED and name in self.__dict__:
+            raise AttributeError(f"Trainer.{name} is wired once at set-up and cannot be replaced; "
+                                 "pass another gradient source as Trainer(cfg, gradients=...) instead")
+        super().__setattr__(name, value)
+
+    @property
+    def gradients(self) -> GradientSource:
+        """The gradient source every batch step calls."""
+        return self.batch_step.gradients
+
+    @property
+    def updater(self) -> Updater:
+        return self.batch_step.updater
+
+    @property
+    def relaxation(self) -> Relaxation:
+        return self.batch_step.relax
 
     # --- sizes ---
 
@@ -90,12 +113,12 @@ class Trainer:
 
     # --- training ---
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> tuple[Tensor, Tensor]:
         """Host tensors; the StepRunner stages them onto the device (pinned, non-blocking on CUDA)."""
         return self.data.batch("train", self.sampler.next())
 
     @torch.no_grad()
-    def train(self) -> dict[str, float]:
+    def train(self) -> dict[str, Any]:
         cfg, total = self.cfg, self.total_windows()
         self.log("config:\n" + to_yaml(cfg).rstrip())
         self.log(f"data: {self.data.source} ({self.data.kind}, {self.data.num_examples('train')} train / "
@@ -104,15 +127,16 @@ class Trainer:
         if not bar.disable and not getattr(bar.fp, "isatty", lambda: False)():
             bar.mininterval = bar.maxinterval = 30.0  # in a pipe or CI: a line every 30 s, not a flood
         mon = self.monitor
-        mon.attach(self.learner, bar)
+        mon.attach(self.relaxation, bar, cfg.run_name)
         mon.start(self.progress.window)
         start = time.perf_counter() - self.progress.wall_seconds
         self._interval = (time.perf_counter(), self.progress.window)
+        lr = self.updater.state.lr
         first = self.progress.window  # a compiled or captured step spends its first window compiling
         while self.progress.window < total:
             w = self.progress.window
             mon.before_window(w)
-            self.learner.update.lr.fill_(lr_at(cfg, w, total))
+            lr.fill_(lr_at(cfg, w, total))
             with mon.phase("data"):
                 inputs, targets = self.next_batch()
             with mon.step_phase():
@@ -144,29 +168,27 @@ class Trainer:
         self.save_checkpoint()
         return self.save_summary()
 
-    def sync_metrics(self) -> dict[str, float]:
+    def sync_metrics(self) -> dict[str, Any]:
         """One device-to-host transfer of every accumulated metric, then reset the accumulators."""
-        upd = self.learner.update
-        *values, lr, dropped_total = torch.cat([self.learner.metrics, upd.lr.reshape(1), upd.dropped.reshape(1)]).tolist()
-        vals = dict(zip(METRICS, values))
-        self.learner.metrics.zero_()
-        wins, ex = max(vals["windows"], 1.0), max(vals["examples"], 1.0)
-        loss = vals["loss_sum"] / ex
-        row = {"window": self.progress.window, "examples": self.progress.examples,
-               "epoch": self.progress.window / self.sampler.batches_per_epoch,
-               "train_loss": loss, "train_acc": vals["correct_sum"] / ex, "lr": lr, "dropped_total": dropped_total}
+        st = self.updater.state
+        sums, (lr, dropped_total) = self.updater.metrics.read(st.lr, st.dropped)
+        wins, ex = max(sums["windows"], 1.0), max(sums["examples"], 1.0)
+        loss = sums["loss_sum"] / ex
+        row: dict[str, Any] = {"window": self.progress.window, "examples": self.progress.examples,
+                               "epoch": self.progress.window / self.sampler.batches_per_epoch,
+                               "train_loss": loss, "train_acc": sums["correct_sum"] / ex, "lr": lr, "dropped_total": dropped_total}
         if self.text:
             row["train_bpc"] = loss / math.log(2)
         for k in ("lior_mean", "spd_mean", "spd_last", "lior_nudge", "R_mean", "dropped",
                   "update_norm_energy", "update_norm_readout", "update_norm_embed"):
-            row[k] = vals[k] / wins
+            row[k] = sums[k] / wins
         row["lior_diff"] = row["lior_nudge"] - row["lior_mean"]  # the nudge's extra path length
         t0, w0 = self._interval
         row["windows_per_second"] = (self.progress.window - w0) / max(time.perf_counter() - t0, 1e-9)
         return row
 
     @staticmethod
-    def postfix(row: dict[str, float]) -> dict[str, str]:
+    def postfix(row: dict[str, Any]) -> dict[str, str]:
         out = {"loss": f"{row['train_loss']:.3f}"}
         if "train_bpc" in row:
             out["bpc"] = f"{row['train_bpc']:.3f}"
@@ -179,45 +201,92 @@ class Trainer:
 
     # --- evaluation ---
 
-    def _eval_learner(self, batch: int) -> Learner:
-        if batch not in self._eval_learners:
-            self._eval_learners[batch] = Learner(self.machine, self.cfg, batch, self.memory)
-        return self._eval_learners[batch]
+    def _relaxation_for(self, batch: int) -> Relaxation:
+        if batch not in self._eval_relaxations:
+            self._eval_relaxations[batch] = Relaxation(self.machine, self.cfg, batch, self.memory)
+        return self._eval_relaxations[batch]
 
-    @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
         """Held-out loss (nats per example), accuracy and, for text, bits per character; one sync at the end."""
-        n = self.data.num_examples("heldout")
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        correct = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
-        for idx in heldout_batches(n, EVAL_BATCH, max_batches if max_batches is not None else self.cfg.eval_batches):
-            inputs, targets = self.data.batch("heldout", idx)
-            l, c = self._eval_learner(len(idx)).score(inputs.to(self.device), targets.to(self.device))
-            loss += l
-            correct += c
-            count += len(idx)
-        loss_v, correct_v = torch.stack([loss, correct]).tolist()
-        mean = loss_v / max(count, 1)
-        out = {"heldout_loss": mean, "heldout_acc": correct_v / max(count, 1)}
-        if self.text:
-            out["heldout_bpc"] = mean / math.log(2)
+        return heldout_metrics(self._relaxation_for, self.data, self.device, max_batches if max_batches is not None else self.cfg.eval_batches)
+
+    # --- state ---
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """Every live tensor of the run's state, by checkpoint key; loading copies into these in place, so a
+        captured graph still sees the same buffers: parameters, update state, metric sums, memory bank."""
+        out = {f"param.{k}": v for k, v in zip(self.params.names, self.params.tensors, strict=True)}
+        out.update(self.updater.tensors())
+        if self.memory is not None:
+            out.update(self.memory.tensors())
         return out
+
+    def checkpoint_tensors(self) -> dict[str, Tensor]:
+        """The tensors of a checkpoint: the live state, the sampler's state and the RNG states."""
+        tensors = dict(self.state_tensors())
+        tensors.update({f"sampler.{k}": v for k, v in self.sampler.state_dict().items()})
+        tensors["rng.cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
+        return tensors
+
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """(tensors, sidecar) of a checkpoint at the current window: live state, sampler and RNG; config, counters,
+        data fingerprint and history."""
+        tensors = self.checkpoint_tensors()
+        p = self.progress
+        meta = {
+            "config": self.cfg.model_dump(mode="json"),
+            "counters": {"window": p.window, "examples": p.examples, "epoch": p.window / self.sampler.batches_per_epoch,
+                         "sampler_epoch": self.sampler.epoch, "sampler_pos": int(self.sampler.state_dict()["pos"]),
+                         "wall_seconds": p.wall_seconds},
+            "data": ck.data_fingerprint(self.data),
+            "history": self.history,
+            "versions": ck.versions(),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Copy a checkpoint's state into the live tensors in place and restore sampler, RNG, counters and history."""
+        for k, dst in self.state_tensors().items():
+            dst.copy_(tensors[k])
+        self.sampler.load_state_dict({k.removeprefix("sampler."): v for k, v in tensors.items() if k.startswith("sampler.")})
+        torch.set_rng_state(tensors["rng.cpu"])
+        if self.device.type == "cuda" and "rng.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng.cuda"], self.device)
+        c = meta["counters"]
+        self.progress.window, self.progress.examples, self.progress.wall_seconds = int(c["window"]), int(c["examples"]), float(c["wall_seconds"])
+        self.history = list(meta["history"])
 
     # --- outputs ---
 
     def save_checkpoint(self) -> Path:
-        """Write <run_dir>/step_<window>/ (see trainer2.checkpoint) and prune to keep_last."""
-        path = save_trainer(self)
+        """Write <run_dir>/step_<window>/ atomically (trainer2.checkpoint) and prune to keep_last."""
+        tensors, meta = self.state_dict()
+        path = ck.save(self.run_dir, self.progress.window, tensors, meta)
+        ck.prune(self.run_dir, self.cfg.keep_last)
         self.log(f"checkpoint: {path}")
         return path
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore parameters, update state, metrics, memory, RNG, sampler and counters in place from `path`."""
-        load_trainer(self, Path(path))
+        """Restore the run from checkpoint directory `path` in place; everything is checked before anything is copied."""
+        path = Path(path)
+        meta = ck.read_meta(path)
+        ck.check_config(meta["config"], self.cfg, path)
+        ck.check_data(meta["data"], ck.data_fingerprint(self.data), path)
+        loaded = ck.load_tensors(path, meta)
+        ck.check_tensors(loaded, self.checkpoint_tensors(), path / ck.TENSORS_FILE, optional=frozenset({"rng.cuda"}))
+        ck.check_counters(meta, path)
+        saved_torch = meta.get("versions", {}).get("torch")
+        if saved_torch != torch.__version__:
+            self.log(f"warning: checkpoint {path} was written with torch {saved_torch}, this is {torch.__version__}; "
+                     "the resumed run may not be bitwise identical")
+        self.load_state_dict(loaded, meta)
+        self.runner.invalidate()  # recapture after load (the copies are in place, but a fresh capture is the safe default)
         self.log(f"resumed from {path} at window {self.progress.window}")
 
-    def save_summary(self) -> dict[str, float]:
+    def save_summary(self) -> dict[str, Any]:
         """Write <run_dir>/summary.json and return it; held-out figures come from the last evaluation."""
         last = next((r for r in reversed(self.history) if "heldout_loss" in r), None) or self.evaluate()
         wall = self.progress.wall_seconds
@@ -225,7 +294,7 @@ class Trainer:
             **{k: last[k] for k in ("heldout_bpc", "heldout_acc", "heldout_loss") if k in last}, "data_kind": self.data.kind,
             "windows": self.progress.window, "examples_seen": self.progress.examples, "wall_seconds": wall,
             "windows_per_second": self.progress.window / wall if wall > 0 else 0.0,
-            "dropped_updates": float(self.learner.update.dropped), "device": str(self.device),
+            "dropped_updates": float(self.updater.state.dropped), "device": str(self.device),
         }
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

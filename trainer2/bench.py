@@ -21,18 +21,17 @@ import torch
 import torch._dynamo
 import torch._inductor.config
 from torch._dynamo.utils import counters
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from trainer2.capture import StepRunner
-from trainer2.cli import add_config_flags, resolve_config
+from trainer2.flags import add_config_flags, resolve_config
 from trainer2.config import ConfigError, TrainConfig
 from trainer2.data import Dataset, Sampler, load_dataset
-from trainer2.learning import Learner
+from trainer2.evaluation import resolve_device
 from trainer2.machine import build_machine
 from trainer2.memory import MemoryBank
 from trainer2.profiling import drop_kineto_markers
-from trainer2.trainer import resolve_device
+from trainer2.step import BatchStep, build_step
 from trainer2.window import run_window
 
 MODES = ("eager", "graph", "compile", "compile+graph", "reduce-overhead")
@@ -64,8 +63,8 @@ def count_work(prof: profile, cuda: bool) -> tuple[int, int]:
     """(device kernels, host launch calls) on CUDA; (kernel-running top-level ops incl. inductor C++ kernels, same) on CPU."""
     events = prof.events()
     if cuda:
-        kernels = sum(1 for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
-        launches = sum(1 for e in events if e.device_type == DeviceType.CPU and ("LaunchKernel" in e.name or "GraphLaunch" in e.name))
+        kernels = sum(1 for e in events if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
+        launches = sum(1 for e in events if e.device_type.name == "CPU" and ("LaunchKernel" in e.name or "GraphLaunch" in e.name))
         return kernels, launches
 
     def counted(e) -> bool:
@@ -97,11 +96,12 @@ def host_batches(data: Dataset, batch: int, n: int, seed: int) -> list[tuple[tor
     return [data.batch("train", sampler.next()) for _ in range(n)]
 
 
-def make_learner(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device) -> Learner:
+def make_step(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device) -> BatchStep:
+    """A fresh machine (same seed every time) and its EP batch step for `batch` examples."""
     machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device)
     like = machine.readout.protos
     memory = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, batch, like) if cfg.memory_capacity else None
-    return Learner(machine, cfg, batch, memory)
+    return build_step(machine, cfg, batch, memory)
 
 
 def prepare(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, mode: str, warmup: list) -> tuple[Row, StepRunner | None]:
@@ -111,9 +111,9 @@ def prepare(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, m
     if graphs and not cuda:
         return Row(batch, mode, note="n/a (CUDA graphs need a CUDA device)"), None
     counters.clear()
-    learner = make_learner(cfg, data, batch, device)
+    step = make_step(cfg, data, batch, device)
     logs: list[str] = []
-    runner = StepRunner(learner, graphs=graphs, compile=compiled, warmup_steps=cfg.warmup_steps,
+    runner = StepRunner(step, graphs=graphs, compile=compiled, warmup_steps=cfg.warmup_steps,
                         compile_mode="reduce-overhead" if mode == "reduce-overhead" else cfg.compile_mode, log=logs.append)
     start = time.perf_counter()
     for x, y in warmup:
@@ -169,14 +169,14 @@ def measure(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, m
 
 def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int) -> tuple[float, float]:
     """Kernels (ops on CPU) per step inside one eager run_window call of nudge_steps steps: (free, nudged)."""
-    learner = make_learner(cfg, data, batch, device)
+    relax = make_step(cfg, data, batch, device).relax
     x, y = (t.to(device) for t in host_batches(data, batch, 1, cfg.seed)[0])
     per_step = []
     with torch.no_grad():
-        _, frame, _ = learner.free_phase(x, y)
+        frame = relax.free_phase(x, y).frame
         for beta in (0.0, cfg.beta_nudge):
-            kernels, _ = profile_call(lambda: run_window(learner.ws, learner.m.energy, frame, beta, cfg.nudge_steps,
-                                                         learner.integ, cfg.eps), device.type == "cuda")
+            kernels, _ = profile_call(lambda: run_window(relax.ws, relax.m.energy, frame, beta, cfg.nudge_steps,
+                                                         relax.integ, cfg.eps), device.type == "cuda")
             per_step.append(kernels / cfg.nudge_steps)
     return per_step[0], per_step[1]
 

@@ -1,0 +1,109 @@
+"""Held-out scoring of a machine, and a machine loaded from a checkpoint for evaluation or sampling.
+
+Both build only the relaxation part of a step (no update state): scoring is a free phase and the
+readout's loss, with no gradient formed.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer2.checkpoint import CheckpointError, check_config, check_data, check_tensors, data_fingerprint, load_tensors, read_meta
+from trainer2.config import ConfigError, TrainConfig, build_config
+from trainer2.data import Dataset, heldout_batches, load_dataset
+from trainer2.machine import Machine, build_machine
+from trainer2.memory import MemoryBank
+from trainer2.relaxation import Relaxation
+
+EVAL_BATCH = 512  # held-out examples per scoring batch
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> CUDA when present, else CPU; an explicit CUDA device without CUDA is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device: {name!r} asked for, but CUDA is not available on this machine; use --device cpu")
+    return torch.device(name)
+
+
+@torch.no_grad()
+def heldout_metrics(relaxation_for: Callable[[int], Relaxation], data: Dataset, device: torch.device, max_batches: int | None) -> dict[str, float]:
+    """Held-out loss (nats per example), accuracy and, for text, bits per character; one host sync at the end.
+
+    relaxation_for(batch) gives the (cached) relaxation for a batch size."""
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for idx in heldout_batches(data.num_examples("heldout"), EVAL_BATCH, max_batches):
+        inputs, targets = data.batch("heldout", idx)
+        l, c = relaxation_for(len(idx)).score(inputs.to(device), targets.to(device))
+        loss += l
+        correct += c
+        count += len(idx)
+    loss_v, correct_v = torch.stack([loss, correct]).tolist()
+    mean = loss_v / max(count, 1)
+    out = {"heldout_loss": mean, "heldout_acc": correct_v / max(count, 1)}
+    if data.kind == "text":
+        out["heldout_bpc"] = mean / math.log(2)
+    return out
+
+
+@dataclass
+class TrainedMachine:
+    """A machine (and memory bank) restored from a checkpoint, with its config, data and window count."""
+
+    cfg: TrainConfig
+    data: Dataset
+    machine: Machine
+    memory: MemoryBank | None
+    window: int
+    device: torch.device
+
+    def relaxation(self, batch: int) -> Relaxation:
+        return Relaxation(self.machine, self.cfg, batch, self.memory)
+
+    def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
+        cache: dict[int, Relaxation] = {}
+
+        def relaxation_for(batch: int) -> Relaxation:
+            if batch not in cache:
+                cache[batch] = self.relaxation(batch)
+            return cache[batch]
+
+        return heldout_metrics(relaxation_for, self.data, self.device, max_batches if max_batches is not None else self.cfg.eval_batches)
+
+
+def load_trained(path: str | Path, overrides: dict[str, Any] | None = None, log: Callable[[str], None] | None = None) -> TrainedMachine:
+    """The parameters and memory bank of checkpoint directory `path` (no update state); `overrides` may set
+    run-steering fields such as device or eval_batches. Everything is checked before a tensor is copied."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    path = Path(path)
+    meta = read_meta(path)
+    try:
+        cfg = build_config([(f"checkpoint {path}", meta["config"]), ("command line", overrides or {})])
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: its config cannot be used: {e}") from None
+    check_config(meta["config"], cfg, path)
+    device = resolve_device(cfg.device)
+    data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
+    check_data(meta["data"], data_fingerprint(data), path)
+    machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device)
+    like = machine.readout.protos
+    memory = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, like) if cfg.memory_capacity else None
+    live = {f"param.{k}": v for k, v in machine.named_params().items()}
+    if memory is not None:
+        live.update(memory.tensors())
+    loaded = load_tensors(path, meta)
+    check_tensors({k: v for k, v in loaded.items() if k.startswith(("param.", "memory."))}, live, path / "tensors.safetensors")
+    for k, dst in live.items():
+        dst.copy_(loaded[k])
+    log(f"loaded {path} (window {meta['counters'].get('window')})")
+    return TrainedMachine(cfg, data, machine, memory, int(meta["step"]), device)

@@ -1,0 +1,58 @@
+"""Config flags: one command-line flag per TrainConfig field, generated from the model so flags never drift,
+and the layering of --preset, --config and flags into a TrainConfig."""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from trainer2.config import TrainConfig, build_config, preset_path, read_yaml
+
+
+def none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse_optional(text: str) -> Any:
+        return None if text.lower() in ("none", "null") else parse(text)
+
+    parse_optional.__name__ = getattr(parse, "__name__", "value")
+    return parse_optional
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field; absent flags stay out of the namespace so lower layers show through."""
+    group = parser.add_argument_group("config fields (each overrides presets and --config)")
+    for name, field in TrainConfig.model_fields.items():
+        ann = field.annotation
+        args = typing.get_args(ann)
+        optional = typing.get_origin(ann) in (typing.Union, types.UnionType) and type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else ann
+        kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"{field.description} (default: {field.default})"}
+        if base is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(base) is Literal:
+            kw["choices"] = list(typing.get_args(base))
+        elif typing.get_origin(base) is list:
+            kw.update(nargs="+", type=typing.get_args(base)[0], metavar="N")
+        else:
+            kw.update(type=none_or(base) if optional else base, metavar=base.__name__.upper())
+        group.add_argument(f"--{name}", **kw)
+
+
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    """Build the layered config from parsed arguments."""
+    return build_config(config_layers(args))
+
+
+def config_layers(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(source, values) layers from --preset, --config and flags, lowest first."""
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if args.preset:
+        path = preset_path(args.preset)
+        layers.append((f"preset {path}", read_yaml(path)))
+    if args.config:
+        layers.append((f"config {args.config}", read_yaml(Path(args.config))))
+    flags = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields}
+    layers.append(("command line", flags))
+    return layers
