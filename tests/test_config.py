@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from trainer2.cli import main, resolve_config, train_parser
-from trainer2.config import PRESET_DIR, ConfigError, TrainConfig, build_config, read_yaml
+from trainer2.config import ConfigError, TrainConfig, build_config, preset_dir, read_yaml
 
 
 def config_from(argv: list[str]) -> TrainConfig:
@@ -87,7 +87,7 @@ def test_boolean_flags_take_no_prefix_and_optional_ints_take_none():
 
 @pytest.mark.parametrize("name", ["dev", "production", "profiling"])
 def test_presets_are_valid(name):
-    assert (PRESET_DIR / f"{name}.yaml").exists()
+    assert (preset_dir() / f"{name}.yaml").is_file()
     config_from(["--preset", name])
 
 
@@ -232,3 +232,58 @@ def test_absurd_values_are_refused_saying_the_sane_range(argv, needle, capsys, t
 ])
 def test_sane_values_near_the_limits_are_accepted(values):
     build_config([("test", values)])
+
+# --- --print_config ---
+
+
+def printed(capsys, argv: list[str]) -> tuple[str, dict[str, str]]:
+    """Run `trainer2 ARGV --print_config`; (stdout, field -> its trailing comment, '' when none)."""
+    assert main([*argv, "--print_config"]) == 0
+    out = capsys.readouterr().out
+    comments = {}
+    for line in out.splitlines():
+        if line and not line.startswith("#"):
+            key, _, rest = line.partition(":")
+            comments[key] = rest.partition("  # ")[2]
+    return out, comments
+
+
+def test_print_config_shows_every_layer_and_reads_no_data(tmp_path, capsys):
+    over = tmp_path / "c.yaml"
+    over.write_text(yaml.safe_dump({"batch_size": 16, "seed": 5, "hidden_sizes": [32, 16]}))
+    ck_dir = tmp_path / "ck"
+    argv = ["--preset", "dev", "--config", str(over), "--seed", "7", "--data", str(tmp_path / "no_such_file.txt"),
+            "--checkpoint_dir", str(ck_dir)]
+    out, comments = printed(capsys, argv)
+    # valid YAML that rebuilds exactly the config a run would use
+    assert build_config([("printed", yaml.safe_load(out))]) == config_from(argv)
+    assert list(comments) == list(TrainConfig.model_fields)
+    dev = str(preset_dir() / "dev.yaml")
+    assert comments["tbptt_window_steps"] == comments["lr_schedule"] == f"preset {dev}"
+    assert comments["batch_size"] == comments["hidden_sizes"] == f"config {over}"
+    assert comments["seed"] == comments["data"] == comments["checkpoint_dir"] == "command line"
+    assert comments["dt"] == comments["rotor_k"] == ""  # defaults carry no comment
+    assert comments["run_name"] == ""  # the preset sets it, but to the default
+    assert not ck_dir.exists()  # nothing written, and the missing data file was never opened
+
+
+def test_print_config_refuses_a_bad_config_with_exit_code_2(capsys):
+    assert main(["--batch_size", "0", "--print_config"]) == 2
+    err = capsys.readouterr().err
+    assert "batch_size (from command line)" in err
+
+
+def test_print_config_with_resume_shows_the_checkpoint_layer(tmp_path, small_text, capsys):
+    ck_dir = tmp_path / "ck"
+    base = ["--data", str(small_text), "--checkpoint_dir", str(ck_dir), "--run_name", "r", "--hidden_sizes", "8",
+            "--coord_dim_n", "4", "--rotor_k", "3", "--context_len", "3", "--embed_dim", "3", "--batch_size", "8",
+            "--tbptt_window_steps", "3", "--nudge_steps", "2", "--max_windows", "2", "--eval_batches", "1"]
+    assert main(base) == 0
+    capsys.readouterr()
+    files = sorted(p for p in ck_dir.rglob("*"))
+    out, comments = printed(capsys, ["--resume", "latest", "--checkpoint_dir", str(ck_dir), "--run_name", "r", "--max_windows", "5"])
+    step = ck_dir / "r" / "step_00000002"
+    assert comments["hidden_sizes"] == comments["batch_size"] == f"checkpoint {step}"
+    assert comments["max_windows"] == comments["run_name"] == "command line"
+    assert yaml.safe_load(out)["max_windows"] == 5
+    assert sorted(p for p in ck_dir.rglob("*")) == files  # nothing written

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tqdm import std as tqdm_std
 from tqdm import tqdm
 
 from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.cli import main
 from trainer2.config import ConfigError, build_config, preset_path, read_yaml
 from trainer2.step import build_step
-from trainer2.profiling import PHASES, PhaseTimer
+from trainer2.profiling import PHASES, PhaseTimer, drop_kineto_markers
 from trainer2.telemetry import CacheCleaner, Monitor, Telemetry, TelemetryError, read_telemetry, should_cleanup
 from trainer2.trainer import Trainer
 
@@ -52,6 +53,7 @@ def test_telemetry_has_one_json_line_per_interval_with_the_keys(small_text, tmp_
     rows = [json.loads(line) for line in lines[:-1]]
     assert [r["window"] for r in rows] == [2, 4, 6]
     assert [r["examples"] for r in rows] == [16, 32, 48]
+    assert all(type(r["window"]) is int and type(r["examples"]) is int for r in rows)  # counts, not floats
     for r in rows:
         assert ROW_KEYS <= r.keys(), ROW_KEYS - r.keys()
         assert {f"time_{p}_ms" for p in PHASES} <= r.keys()
@@ -131,7 +133,7 @@ def test_read_telemetry_skips_a_torn_last_line_and_refuses_a_bad_one(tmp_path):
         read_telemetry(tmp_path / "missing.jsonl")
 
 
-def test_profiling_preset_writes_a_trace_that_names_every_phase(small_text, tmp_path, capsys):
+def test_profiling_preset_writes_a_trace_that_names_every_phase(small_text, tmp_path, capfd):
     preset = read_yaml(preset_path("profiling"))
     assert preset["timing_debug"] and preset["profile_windows"] > 0
     over = run_flags(small_text, tmp_path, run_name="profiling", max_windows=9, log_every_windows=4, profile_windows=4)
@@ -143,9 +145,17 @@ def test_profiling_preset_writes_a_trace_that_names_every_phase(small_text, tmp_
     assert {f"phase/{p}" for p in PHASES} <= names
     top = (run_dir / "profile_top_ops.txt").read_text()
     assert "top operators by self CPU time" in top and "aten::" in top
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()
     assert out.count("timing @ window") == 3  # windows 4, 8 and the end (9)
     assert all(p in out for p in PHASES)
+    assert "USDT" not in err and "profiler_start" not in err  # the profiler backend's start/stop markers
+
+
+def test_kineto_markers_are_dropped_and_every_other_stderr_line_is_kept(capfd):
+    with drop_kineto_markers():
+        os.write(2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\nkept: a warning\n")
+        os.write(2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:59] profiler_stop\nkept: another\n")
+    assert capfd.readouterr().err == "kept: a warning\nkept: another\n"
 
 
 @pytest.mark.parametrize(("allocated", "reserved", "fires"), [(95, 100, True), (90, 100, False), (50, 100, False), (0, 0, False)])
@@ -218,6 +228,37 @@ def test_progress_bar_in_a_pipe_does_not_flood(small_text, tmp_path, capsys, mon
     err = capsys.readouterr().err  # pytest's capture is not a TTY
     assert bars[0].mininterval >= 30  # step progress refreshes no more often than this either
     assert err.count("\r") + err.count("\n") <= 4, err
+
+
+def test_the_compile_is_kept_out_of_the_progress_bars_rate_and_eta(small_text, tmp_path, monkeypatch):
+    clock = [1000.0]  # the bar's clock, advanced only by the step below
+    monkeypatch.setattr(tqdm_std, "time", lambda: clock[0])
+    bars = []
+
+    class Spy(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": False, "file": io.StringIO()})
+            bars.append(self)
+
+        def close(self):
+            self.last = dict(self.format_dict)
+            super().close()
+
+    monkeypatch.setattr("trainer2.trainer.tqdm", Spy)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # a "compiled" step that is the eager one
+    cfg = build_config([("test", run_flags(small_text, tmp_path, use_torch_compile=True, max_windows=6, eval_every_windows=0))])
+    trainer = Trainer(cfg, log=lambda s: None)
+    real, calls = trainer.runner.step, []
+
+    def step(inputs, targets):  # the first call compiles for 600 s, every later window takes 1 s
+        clock[0] += 1.0 if calls else 600.0
+        calls.append(1)
+        real(inputs, targets)
+
+    monkeypatch.setattr(trainer.runner, "step", step)
+    trainer.train()
+    last = bars[0].last
+    assert last["n"] == 6 and last["elapsed"] == pytest.approx(5.0)  # 5 windows of 1 s; the compile is not one
 
 
 def test_a_disabled_bar_with_step_progress_runs_and_reads_nothing_per_step(small_text, tmp_path, monkeypatch):

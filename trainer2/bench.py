@@ -30,6 +30,7 @@ from trainer2.data import Dataset, Sampler, load_dataset
 from trainer2.evaluation import resolve_device
 from trainer2.machine import build_machine
 from trainer2.memory import MemoryBank
+from trainer2.profiling import drop_kineto_markers
 from trainer2.step import BatchStep, build_step
 from trainer2.profiling import PhaseTimer
 
@@ -83,7 +84,7 @@ def count_work(prof: profile, cuda: bool) -> tuple[int, int]:
 
 def profile_call(fn, cuda: bool) -> tuple[int, int]:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    with drop_kineto_markers(), profile(activities=acts) as prof:
         fn()
         if cuda:
             torch.cuda.synchronize()

@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from trainer2.checkpoint import CheckpointError
-from trainer2.config import ConfigError
+from trainer2.checkpoint import CheckpointError, read_meta
+from trainer2.config import ConfigError, annotated_yaml, build_config, config_origins
 from trainer2.data import DataError
 from trainer2.flags import add_config_flags, config_layers, none_or, resolve_config
 from trainer2.plot import cmd_plot
 from trainer2.resume import fresh_run_guard, resume_config
+from trainer2.tracking import check_tracking
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -27,25 +28,43 @@ def train_parser() -> argparse.ArgumentParser:
         epilog="Layers, lowest first: field defaults < --preset < --config < flags. "
         "Other commands: trainer2 evaluate|sample|bench|plot --help",
     )
-    p.add_argument("--preset", help="Preset name in configs/ (dev, production, profiling) or a YAML path.")
+    p.add_argument("--preset", help="Preset name (dev, production, profiling; shipped in the package) or a YAML path.")
     p.add_argument("--config", help="YAML file of config fields, applied over the preset.")
     p.add_argument("--resume", metavar="latest|PATH", help="Continue from the run's newest checkpoint ('latest') or a "
                    "step_<N>/ directory; its config is the lowest layer, and model/data fields must match it.")
+    p.add_argument("--print_config", action="store_true", help="Print the resolved config as YAML, each non-default "
+                   "value commented with the layer it came from, and exit without loading data or touching checkpoints.")
     add_config_flags(p)
     return p
 
 
+def print_config(args: argparse.Namespace) -> int:
+    """--print_config: the resolved YAML with the layer of each non-default value; reads no data, writes nothing."""
+    layers = config_layers(args)
+    if args.resume:  # what the resumed run would use: the checkpoint's config is the lowest layer
+        cfg, path = resume_config(args.resume, layers)
+        layers = [(f"checkpoint {path}", read_meta(path)["config"]), *layers]
+    else:
+        cfg = build_config(layers)
+    print(annotated_yaml(cfg, config_origins(layers)), end="")
+    return 0
+
+
 def cmd_train(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
+    if args.print_config:
+        return print_config(args)
     from trainer2.trainer import Trainer
 
     if args.resume:
         cfg, path = resume_config(args.resume, config_layers(args))
+        check_tracking(cfg)
         trainer = Trainer(cfg)
         trainer.load_checkpoint(path)
     else:
         cfg = resolve_config(args)
         fresh_run_guard(cfg)
+        check_tracking(cfg)
         trainer = Trainer(cfg)
     summary = trainer.train()
     score = f"bpc {summary['heldout_bpc']:.3f}" if "heldout_bpc" in summary else f"loss {summary['heldout_loss']:.3f} nats/example"
@@ -96,3 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"trainer2: error: {e}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":  # python -m trainer2.cli
+    sys.exit(main())

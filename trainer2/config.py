@@ -1,23 +1,29 @@
 """TrainConfig: every knob of a run in one validated pydantic model, and the layering of presets.
 
 Layers, lowest first: field defaults < preset YAML (configs/NAME.yaml) < --config FILE < flags.
+The presets ship inside the package as `trainer2.configs` (built from the top-level configs/).
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import re
 import reprlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 MAX_YAML_BYTES = 1 << 20  # a config is a few hundred bytes; the cap bounds what a hostile file can cost
 MAX_REPR = 200  # characters of an offending value an error message shows
 MAX_ERRORS = 10  # validation errors listed per message
 MAX_LR = 1.0  # largest learning rate of any parameter group (see _numerics)
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+CHECKOUT_PRESETS = Path(__file__).resolve().parent.parent / "configs"  # configs/ beside trainer2/ in a source tree
 
 
 class ConfigError(ValueError):
@@ -129,6 +135,7 @@ class TrainConfig(BaseModel):
     step_progress_every: int = Field(0, ge=0, description="Report progress inside a window every K steps (eager only); 0 = off.")
     timing_debug: bool = Field(False, description="Time each phase of every window and print a table.")
     profile_windows: int = Field(0, ge=0, description="torch.profiler trace of this many windows after warm-up, into the run directory; 0 = off.")
+    tensorboard: bool = Field(False, description="Also write every telemetry value to <run_dir>/tb/ for TensorBoard, the window as the step (needs the tensorboard extra).")
     cleanup_every: int = Field(50, ge=1, description="Windows between checks of the CUDA cache (CUDA only).")
     cleanup_threshold: float = Field(0.9, gt=0.0, le=1.0, description="Empty the CUDA cache when allocated/reserved memory exceeds this ratio.")
 
@@ -201,28 +208,50 @@ def field_names() -> list[str]:
     return list(TrainConfig.model_fields)
 
 
-def preset_path(name: str) -> Path:
-    """configs/NAME.yaml, or NAME itself when it is a path to a YAML file."""
+def preset_dir() -> Path | Traversable:
+    """Where the presets are: configs/ of the source tree trainer2 runs from, else the installed package data.
+
+    A source tree (configs/ and pyproject.toml beside trainer2/) comes first, so a checkout always reads its
+    own configs/, even when another checkout is installed in editable mode."""
+    if CHECKOUT_PRESETS.is_dir() and (CHECKOUT_PRESETS.parent / "pyproject.toml").is_file():
+        return CHECKOUT_PRESETS
+    try:
+        return importlib.resources.files("trainer2.configs")
+    except ModuleNotFoundError:  # neither installed nor a checkout; the error below lists no presets
+        return CHECKOUT_PRESETS
+
+
+def preset_names() -> list[str]:
+    """The names --preset accepts (dev, production, profiling, ...)."""
+    found = preset_dir()
+    return sorted(p.name.removesuffix(".yaml") for p in found.iterdir() if p.name.endswith(".yaml")) if found.is_dir() else []
+
+
+def preset_path(name: str) -> Path | Traversable:
+    """The preset NAME (a .yaml in the presets), or NAME itself when it is a path to a YAML file."""
     path = Path(name)
     if path.suffix in (".yaml", ".yml") and path.exists():
         return path
-    path = PRESET_DIR / f"{name}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-        raise ConfigError(f"unknown preset {short_repr(name)}: expected one of {known} (files in {PRESET_DIR})")
-    return path
+    found = preset_dir() / f"{name}.yaml"
+    if not found.is_file():
+        raise ConfigError(f"unknown preset {short_repr(name)}: expected one of {preset_names()} or a path to a YAML file "
+                          f"(presets in {preset_dir()})")
+    return found
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path | Traversable) -> dict[str, Any]:
     """A YAML mapping of config fields; unknown keys are refused here, naming the file."""
     try:
         if path.is_dir():
             raise ConfigError(f"config file {path} is a directory; expected a YAML file of field: value lines")
-        size = path.stat().st_size
-        if size > MAX_YAML_BYTES:
-            raise ConfigError(f"config file {path} is {size} bytes; a config file may be at most {MAX_YAML_BYTES} bytes")
-        with open(path, encoding="utf-8") as f:  # a stream, so YAML errors name the file
-            data = yaml.load(f, Loader=_ConfigLoader)
+        if isinstance(path, Path):
+            size = path.stat().st_size
+            if size > MAX_YAML_BYTES:
+                raise ConfigError(f"config file {path} is {size} bytes; a config file may be at most {MAX_YAML_BYTES} bytes")
+            with open(path, encoding="utf-8") as f:  # a stream, so YAML errors name the file
+                data = yaml.load(f, Loader=_ConfigLoader)
+        else:  # a preset shipped inside the package, not on a plain file system
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except OSError as e:
@@ -248,14 +277,25 @@ def _follow_capture_batch(layer: dict[str, Any]) -> dict[str, Any]:
     return layer
 
 
-def build_config(layers: list[tuple[str, dict[str, Any]]]) -> TrainConfig:
-    """Merge (source, values) layers, lowest first, and validate; errors name the field and its source."""
+def merge_layers(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(merged values, the source of each) of (source, values) layers, lowest first; higher layers win."""
     merged: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for source, layer in layers:
         layer = _follow_capture_batch(layer)
         merged.update(layer)
         origin.update({k: source for k in layer})
+    return merged, origin
+
+
+def config_origins(layers: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
+    """Field -> the source of the layer its value came from; fields no layer sets are absent (defaults)."""
+    return merge_layers(layers)[1]
+
+
+def build_config(layers: list[tuple[str, dict[str, Any]]]) -> TrainConfig:
+    """Merge (source, values) layers, lowest first, and validate; errors name the field and its source."""
+    merged, origin = merge_layers(layers)
     try:
         return TrainConfig(**merged)
     except ValidationError as e:
@@ -273,3 +313,17 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> TrainConfig:
 
 def to_yaml(cfg: TrainConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
+
+
+def annotated_yaml(cfg: TrainConfig, origins: dict[str, str]) -> str:
+    """The resolved config as YAML, one field a line; a value that is not its field's default carries a comment
+    naming the layer it came from (`# preset PATH`, `# config FILE`, `# command line`)."""
+    values = cfg.model_dump(mode="json")
+    lines = ["# resolved config; layers, lowest first: field defaults < --preset < --config < flags",
+             "# a comment names the layer each non-default value came from"]
+    for name, field in TrainConfig.model_fields.items():
+        line = yaml.safe_dump({name: values[name]}, default_flow_style=True, width=2**16).strip()[1:-1]  # "{k: v}" -> "k: v"
+        if values[name] != field.default:
+            line += f"  # {origins.get(name, 'default')}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"

@@ -3,6 +3,9 @@ windows after warm-up (`WindowProfiler`)."""
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -12,6 +15,31 @@ import torch
 
 PHASES = ("data", "free", "nudged", "update", "logging")  # "step" replaces free/nudged/update when the step is one replay
 TOP_OPS_ROWS = 30
+
+
+@contextmanager
+def drop_kineto_markers() -> Iterator[None]:
+    """Around a profiler's start or stop: drop the `USDT:... profiler_start|profiler_stop` lines that the profiler's
+    backend (kineto) writes to stderr. They carry kineto's highest log level, so only KINETO_LOG_LEVEL=6 hides them,
+    and it would hide kineto's errors too; here every other line written to fd 2 meanwhile is passed on."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = b"".join(line for line in tmp.read().splitlines(keepends=True) if not line.startswith(b"USDT:"))
+            if kept:
+                os.write(2, kept)
 
 
 class PhaseTimer:
@@ -91,7 +119,8 @@ class WindowProfiler:
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.prof = torch.profiler.profile(activities=activities)
-        self.prof.__enter__()
+        with drop_kineto_markers():
+            self.prof.__enter__()
         self.timer.label = True
 
     def after_window(self, windows_done: int) -> list[Path]:
@@ -106,7 +135,8 @@ class WindowProfiler:
             return []
         if self.cuda:
             torch.cuda.synchronize()
-        self.prof.__exit__(None, None, None)
+        with drop_kineto_markers():
+            self.prof.__exit__(None, None, None)
         self.timer.label = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         trace, table = self.run_dir / "profile_trace.json", self.run_dir / "profile_top_ops.txt"

@@ -65,7 +65,7 @@ def sample_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description="Generate text from a checkpoint: one free-phase relaxation per character, in the checkpoint's own vocabulary.",
     )
-    p.add_argument("--checkpoint", required=True, help="Checkpoint directory, e.g. checkpoints/dev/step_2000.")
+    p.add_argument("--checkpoint", required=True, help="Checkpoint directory, e.g. checkpoints/dev/step_00025000.")
     p.add_argument("--prompt", default="", help="Text to continue. Only its last context_len characters condition the "
                    "model; a shorter prompt is left-padded with spaces (or the first vocabulary character when the "
                    "vocabulary has no space). Every character must be in the checkpoint's vocabulary.")

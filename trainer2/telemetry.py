@@ -19,6 +19,7 @@ from tqdm import tqdm
 from trainer2.config import TrainConfig, to_yaml
 from trainer2.relaxation import Relaxation
 from trainer2.profiling import PhaseTimer, WindowProfiler, timing_table
+from trainer2.tracking import TensorBoardLog
 
 TELEMETRY_FILE = "telemetry.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -142,6 +143,7 @@ class Monitor:
         self.profiler = WindowProfiler(run_dir, 0, 0, device, self.timer)  # armed by start()
         self.cleaner = CacheCleaner.for_device(cfg, device)
         self.telemetry: Telemetry | None = None
+        self.board: TensorBoardLog | None = None  # --tensorboard
         self.last_window = 0  # window of the last record: timings are averaged over the windows since
 
     def attach(self, relax: Relaxation, bar: tqdm, desc: str) -> None:
@@ -158,6 +160,7 @@ class Monitor:
 
     def start(self, window: int) -> None:
         """Write config.yaml and open telemetry.jsonl for appending; `window` is where the run starts (resume)."""
+        self.board = TensorBoardLog(self.run_dir, window) if self.cfg.tensorboard else None  # first: a missing package writes nothing
         self.telemetry = Telemetry(self.run_dir, self.cfg)
         self.last_window = window
         skip = self.cfg.warmup_steps + 2  # past warm-up (and graph capture), so the trace shows steady windows
@@ -190,6 +193,8 @@ class Monitor:
         with self.phase("logging"):  # the write and print count towards the next interval's logging
             if self.telemetry is not None:
                 self.telemetry.write(row)
+            if self.board is not None:
+                self.board.write(row)
             if self.cfg.timing_debug:
                 tqdm.write(timing_table(window, {k: v for k, v in row.items() if k.startswith("time_")}))
 
@@ -202,3 +207,6 @@ class Monitor:
         if self.telemetry is not None:
             self.telemetry.close()
             self.telemetry = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None

@@ -132,6 +132,7 @@ class Trainer:
         start = time.perf_counter() - self.progress.wall_seconds
         self._interval = (time.perf_counter(), self.progress.window)
         lr = self.updater.state.lr
+        first = self.progress.window  # a compiled or captured step spends its first window compiling
         while self.progress.window < total:
             w = self.progress.window
             mon.before_window(w)
@@ -140,6 +141,8 @@ class Trainer:
                 inputs, targets = self.next_batch()
             with mon.step_phase():
                 self.runner.step(inputs, targets)
+            if w == first and not mon.eager:
+                bar.unpause()  # count the compile apart: keep it out of the bar's rate and ETA
             self.progress.window += 1
             self.progress.examples += cfg.batch_size
             bar.update(1)

@@ -1,0 +1,1 @@
+"""The presets (NAME.yaml); installed as the package trainer2.configs so `--preset NAME` works from any directory."""
