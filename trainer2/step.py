@@ -40,7 +40,8 @@ class BatchStep:
     def step(self, inputs: Tensor, targets: Tensor) -> None:
         out = self.gradients(self.relax, inputs, targets)
         if self.reducer is not None:
-            out = self.reducer(out)
+            with self.relax.phase("allreduce"):  # includes waiting for the slowest rank
+                out = self.reducer(out)
         with self.relax.phase("update"):
             self.updater.apply(out, targets)
             if self.memory is not None:
