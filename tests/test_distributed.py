@@ -216,6 +216,12 @@ def test_environment_is_read_and_checked():
         with pytest.raises(ConfigError, match="environment"):
             Distributed.from_env(bad)
     assert rank_label({"RANK": "3"}) == " (rank 3)" and rank_label({}) == ""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects only: no GPU is needed
+    assert d.place(cuda, "auto") == torch.device("cuda", 1) and d.place(cpu, "cpu") == cpu
+    assert Distributed().place(cuda, "cuda") == cuda
+    assert Distributed(0, 1, 0, True).place(torch.device("cuda:1"), "cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ConfigError, match="names one GPU"):
+        d.place(torch.device("cuda:0"), "cuda:0")
     assert init_distributed(TrainConfig(), env={}) == Distributed()  # a plain `python main.py`: no process group
     assert not torch.distributed.is_initialized()
 

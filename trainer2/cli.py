@@ -14,7 +14,7 @@ from typing import Callable
 from trainer2.checkpoint import CheckpointError
 from trainer2.config import ConfigError
 from trainer2.data import DataError
-from trainer2.distributed import DistributedError, rank_label
+from trainer2.distributed import DistributedError, init_distributed, rank_label
 from trainer2.flags import add_config_flags, config_layers, none_or, resolve_config
 from trainer2.plot import cmd_plot
 from trainer2.resume import fresh_run_guard, resume_config
@@ -37,7 +37,6 @@ def train_parser() -> argparse.ArgumentParser:
 
 def cmd_train(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
-    from trainer2.distributed import init_distributed
     from trainer2.trainer import Trainer
 
     path = None

@@ -65,10 +65,11 @@ class Distributed:
         return Distributed(rank, world, local, True, timeout_s)
 
     def place(self, dev: torch.device, name: str) -> torch.device:
-        """The device this process trains on, from the resolved --device `name`: CUDA -> cuda:LOCAL_RANK when launched."""
-        if not self.launched or dev.type != "cuda":
+        """The device this process trains on, from the resolved --device `name`: CUDA -> cuda:LOCAL_RANK when launched
+        (a named GPU is kept for one process, and refused for several, which cannot share it)."""
+        if not self.launched or dev.type != "cuda" or (dev.index is not None and self.world_size == 1):
             return dev
-        if dev.index is not None and self.world_size > 1:
+        if dev.index is not None:
             raise ConfigError(f"device: {name!r} names one GPU, but under torchrun each process uses its own "
                               f"(cuda:LOCAL_RANK); pass --device cuda or auto")
         return torch.device("cuda", self.local_rank)
@@ -113,8 +114,9 @@ class Distributed:
         sums.copy_(rows[:, :-1].sum(0).to(sums.device, sums.dtype))  # the same sum in the same order on every rank
         if not everywhere and not self.is_main:
             sums.zero_()
-        checks = rows[:, -1].tolist()
-        bad = [r for r, c in enumerate(checks) if c != checks[0]]
+        checks = rows[:, -1]
+        same = torch.isclose(checks, checks[0], rtol=0.0, atol=0.0, equal_nan=True)  # bitwise, NaN equal to NaN
+        bad, checks = [r for r, ok in enumerate(same.tolist()) if not ok], checks.tolist()
         if bad:
             raise DistributedError(f"rank {self.rank}: parameters differ between ranks: rank(s) {bad} disagree with rank 0 "
                                    f"(checksums {[checks[r] for r in bad]} vs {checks[0]}); the run stops rather than "
