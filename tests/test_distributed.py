@@ -277,7 +277,6 @@ def test_one_all_reduce_averages_drops_together_and_checksums_catch_divergence(t
     import torch.multiprocessing as mp
 
     init = f"file://{tmp_path / 'rendezvous'}"
-    sys.path.insert(0, str(ROOT / "tests"))
     mp.spawn(_worker, args=(2, init, str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         r = json.loads((tmp_path / f"{rank}.json").read_text())
