@@ -240,10 +240,20 @@ def test_every_field_is_either_fixed_or_free_on_resume():
     fields = set(TrainConfig.model_fields)
     assert ck.RESUME_FREE_FIELDS <= fields
     assert set(ck.fixed_fields()) | ck.RESUME_FREE_FIELDS == fields
-    for f in ("hidden_sizes", "coord_dim_n", "context_len", "embed_dim", "data", "dtype", "batch_size", "memory_capacity", "seed"):
+    for f in ("hidden_sizes", "coord_dim_n", "context_len", "embed_dim", "data", "dtype", "memory_capacity", "seed"):
         assert f in ck.fixed_fields(), f
-    for f in ("max_windows", "max_epochs", "log_every_windows", "eval_every_windows", "device", "use_cudagraphs", "keep_last"):
+    # batch_size is per process: the global batch (batch_size x world size) is checked instead (next test).
+    for f in ("max_windows", "max_epochs", "log_every_windows", "eval_every_windows", "device", "use_cudagraphs", "keep_last", "batch_size"):
         assert f in ck.RESUME_FREE_FIELDS, f
+
+
+def test_a_changed_global_batch_is_refused_naming_both(tmp_path, saved, capsys):
+    before = snapshot(saved.parent)
+    assert main(["--resume", str(saved), "--batch_size", "16", "--memory_capacity", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "global batch of 8 (batch_size 8 x 1 process(es)); this run's is 16 (batch_size 16 x 1)" in err
+    assert "pass --batch_size 8" in err
+    assert snapshot(saved.parent) == before
 
 
 def test_resume_without_checkpoint_says_so(tmp_path, capsys):

@@ -14,6 +14,7 @@ from typing import Callable
 from trainer2.checkpoint import CheckpointError, read_meta
 from trainer2.config import ConfigError, annotated_yaml, build_config, config_origins
 from trainer2.data import DataError
+from trainer2.distributed import DistributedError, init_distributed, rank_label
 from trainer2.flags import add_config_flags, config_layers, none_or, resolve_config
 from trainer2.plot import cmd_plot
 from trainer2.resume import fresh_run_guard, resume_config
@@ -56,23 +57,33 @@ def cmd_train(argv: list[str]) -> int:
         return print_config(args)
     from trainer2.trainer import Trainer
 
+    path = None
     if args.resume:
         cfg, path = resume_config(args.resume, config_layers(args))
-        check_tracking(cfg)
-        trainer = Trainer(cfg)
-        trainer.load_checkpoint(path)
     else:
         cfg = resolve_config(args)
         fresh_run_guard(cfg)
-        check_tracking(cfg)
-        trainer = Trainer(cfg)
-    summary = trainer.train()
+    check_tracking(cfg)
+    dist = init_distributed(cfg)  # under torchrun: this process's rank and its process group
+    try:
+        trainer = Trainer(cfg, log=print if dist.is_main else quiet, dist=dist)
+        if path is not None:
+            trainer.load_checkpoint(path)
+        summary = trainer.train()
+    finally:
+        dist.close()
+    if not dist.is_main:
+        return 0
     score = f"bpc {summary['heldout_bpc']:.3f}" if "heldout_bpc" in summary else f"loss {summary['heldout_loss']:.3f} nats/example"
     print(
         f"done: {summary['windows']} windows, {summary['examples_seen']} examples in {summary['wall_seconds']:.1f}s "
         f"({summary['windows_per_second']:.2f} win/s); held-out {score}, acc {summary['heldout_acc']:.3f}"
     )
     return 0
+
+
+def quiet(msg: str) -> None:
+    """The log of ranks other than 0: they print nothing."""
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -113,8 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv[1:] if command else argv)
     except (ConfigError, DataError, CheckpointError) as e:
-        print(f"trainer2: error: {e}", file=sys.stderr)
+        print(f"trainer2: error{rank_label()}: {e}", file=sys.stderr)
         return 2
+    except DistributedError as e:  # a failed or timed-out collective, or ranks that diverged; names the rank(s)
+        print(f"trainer2: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # python -m trainer2.cli

@@ -111,7 +111,7 @@ class TrainConfig(BaseModel):
     lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of the peak (cosine).")
 
     # --- batching and speed ---
-    batch_size: int = Field(64, ge=1, description="Examples per window; follows capture_batch_size when only that is given.")
+    batch_size: int = Field(64, ge=1, description="Examples per window and process (under torchrun the global batch is batch_size x world size); follows capture_batch_size when only that is given.")
     static_shapes: bool = Field(False, description="Keep every tensor's shape fixed for the whole run (needed for graphs).")
     capture_batch_size: int | None = Field(None, ge=1, description="Batch size the CUDA graph is captured at; must equal batch_size.")
     use_cudagraphs: bool = Field(False, description="Capture the batch step as a CUDA graph and replay it (CUDA only).")
@@ -138,6 +138,7 @@ class TrainConfig(BaseModel):
     tensorboard: bool = Field(False, description="Also write every telemetry value to <run_dir>/tb/ for TensorBoard, the window as the step (needs the tensorboard extra).")
     cleanup_every: int = Field(50, ge=1, description="Windows between checks of the CUDA cache (CUDA only).")
     cleanup_threshold: float = Field(0.9, gt=0.0, le=1.0, description="Empty the CUDA cache when allocated/reserved memory exceeds this ratio.")
+    dist_timeout_seconds: float = Field(120.0, gt=0.0, description="Under torchrun: a collective that waits longer than this for another process fails the run.")
 
     @field_validator("device")
     @classmethod

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from trainer2.checkpoint import CheckpointError, check_config, check_data, check_tensors, data_fingerprint, load_tensors, read_meta
 from trainer2.config import ConfigError, TrainConfig, build_config
@@ -39,19 +40,32 @@ def heldout_metrics(relaxation_for: Callable[[int], Relaxation], data: Dataset, 
     """Held-out loss (nats per example), accuracy and, for text, bits per character; one host sync at the end.
 
     relaxation_for(batch) gives the (cached) relaxation for a batch size."""
-    loss = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
-    for idx in heldout_batches(data.num_examples("heldout"), EVAL_BATCH, max_batches):
+    return heldout_from_sums(heldout_sums(relaxation_for, data, device, max_batches), data.kind)
+
+
+@torch.no_grad()
+def heldout_sums(relaxation_for: Callable[[int], Relaxation], data: Dataset, device: torch.device, max_batches: int | None,
+                 shard: tuple[int, int] = (0, 1)) -> Tensor:
+    """float64 (3,) on `device`: summed loss (nats), number correct, number scored, over the held-out batches
+    k with k % shard[1] == shard[0] (rank, world size): adding every shard's sums gives the whole split's."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    count, (rank, world) = 0, shard
+    for k, idx in enumerate(heldout_batches(data.num_examples("heldout"), EVAL_BATCH, max_batches)):
+        if k % world != rank:
+            continue
         inputs, targets = data.batch("heldout", idx)
         l, c = relaxation_for(len(idx)).score(inputs.to(device), targets.to(device))
-        loss += l
-        correct += c
+        sums += torch.stack([l.to(sums.dtype), c.to(sums.dtype)])
         count += len(idx)
-    loss_v, correct_v = torch.stack([loss, correct]).tolist()
+    return torch.cat([sums, sums.new_tensor([count])])
+
+
+def heldout_from_sums(sums: Tensor, kind: str) -> dict[str, float]:
+    """The held-out metrics from heldout_sums (one device-to-host transfer)."""
+    loss_v, correct_v, count = sums.tolist()
     mean = loss_v / max(count, 1)
     out = {"heldout_loss": mean, "heldout_acc": correct_v / max(count, 1)}
-    if data.kind == "text":
+    if kind == "text":
         out["heldout_bpc"] = mean / math.log(2)
     return out
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
+from trainer2.distributed import Distributed, GradReducer
 from trainer2.gradients import GradientSource, ep_gradients
 from trainer2.machine import Machine
 from trainer2.memory import MemoryBank
@@ -30,6 +31,7 @@ class BatchStep:
     gradients: GradientSource
     updater: Updater
     memory: MemoryBank | None
+    reducer: GradReducer | None = None  # under torchrun: averages the gradients over the ranks
 
     @property
     def device(self) -> torch.device:
@@ -37,6 +39,9 @@ class BatchStep:
 
     def step(self, inputs: Tensor, targets: Tensor) -> None:
         out = self.gradients(self.relax, inputs, targets)
+        if self.reducer is not None:
+            with self.relax.phase("allreduce"):  # includes waiting for the slowest rank
+                out = self.reducer(out)
         with self.relax.phase("update"):
             self.updater.apply(out, targets)
             if self.memory is not None:
@@ -44,7 +49,10 @@ class BatchStep:
 
 
 def build_step(machine: Machine, cfg: TrainConfig, batch: int, memory: MemoryBank | None = None,
-               gradients: GradientSource = ep_gradients, table: ParamTable | None = None) -> BatchStep:
-    """A batch step for `batch` examples over `machine`; EP gradients unless another source is given."""
+               gradients: GradientSource = ep_gradients, table: ParamTable | None = None,
+               dist: Distributed | None = None) -> BatchStep:
+    """A batch step for `batch` examples over `machine`; EP gradients unless another source is given; under
+    torchrun (`dist.launched`) the gradients are averaged over the ranks before the update."""
     table = ParamTable.build(machine, cfg) if table is None else table
-    return BatchStep(Relaxation(machine, cfg, batch, memory), gradients, Updater(machine, cfg, table), memory)
+    reducer = GradReducer.build(table, dist) if dist is not None and dist.launched else None
+    return BatchStep(Relaxation(machine, cfg, batch, memory), gradients, Updater(machine, cfg, table), memory, reducer)

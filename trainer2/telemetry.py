@@ -135,10 +135,12 @@ class StepReporter:
 class Monitor:
     """Observability of one run: phase timing, profiler, cache cleanup, step progress and the telemetry file.
 
-    The trainer calls: start, before_window, phase(name), record(row) at each log interval, after_window, close."""
+    The trainer calls: start, before_window, phase(name), record(row) at each log interval, after_window, close.
+    writes=False (ranks other than 0 under torchrun): no telemetry file, config file, timing table or trace."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, run_dir: Path, eager: bool, log: Callable[[str], None] = print) -> None:
-        self.cfg, self.device, self.run_dir, self.eager, self.log = cfg, device, run_dir, eager, log
+    def __init__(self, cfg: TrainConfig, device: torch.device, run_dir: Path, eager: bool, log: Callable[[str], None] = print,
+                 writes: bool = True) -> None:
+        self.cfg, self.device, self.run_dir, self.eager, self.log, self.writes = cfg, device, run_dir, eager, log, writes
         self.timer = PhaseTimer(device, cfg.timing_debug)
         self.profiler = WindowProfiler(run_dir, 0, 0, device, self.timer)  # armed by start()
         self.cleaner = CacheCleaner.for_device(cfg, device)
@@ -160,11 +162,12 @@ class Monitor:
 
     def start(self, window: int) -> None:
         """Write config.yaml and open telemetry.jsonl for appending; `window` is where the run starts (resume)."""
-        self.board = TensorBoardLog(self.run_dir, window) if self.cfg.tensorboard else None  # first: a missing package writes nothing
-        self.telemetry = Telemetry(self.run_dir, self.cfg)
+        self.board = TensorBoardLog(self.run_dir, window) if self.cfg.tensorboard and self.writes else None  # first: a missing package writes nothing
+        self.telemetry = Telemetry(self.run_dir, self.cfg) if self.writes else None
         self.last_window = window
         skip = self.cfg.warmup_steps + 2  # past warm-up (and graph capture), so the trace shows steady windows
-        self.profiler = WindowProfiler(self.run_dir, window + skip, self.cfg.profile_windows, self.device, self.timer)
+        count = self.cfg.profile_windows if self.writes else 0
+        self.profiler = WindowProfiler(self.run_dir, window + skip, count, self.device, self.timer)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         return self.timer.phase(name)
@@ -195,7 +198,7 @@ class Monitor:
                 self.telemetry.write(row)
             if self.board is not None:
                 self.board.write(row)
-            if self.cfg.timing_debug:
+            if self.cfg.timing_debug and self.writes:
                 tqdm.write(timing_table(window, {k: v for k, v in row.items() if k.startswith("time_")}))
 
     def close(self) -> None:

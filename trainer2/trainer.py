@@ -19,9 +19,10 @@ from tqdm import tqdm
 
 from trainer2 import checkpoint as ck
 from trainer2.capture import StepRunner
-from trainer2.config import TrainConfig, to_yaml
+from trainer2.config import ConfigError, TrainConfig, to_yaml
 from trainer2.data import Dataset, Sampler, load_dataset
-from trainer2.evaluation import heldout_metrics, resolve_device
+from trainer2.distributed import Distributed
+from trainer2.evaluation import heldout_from_sums, heldout_sums, resolve_device
 from trainer2.gradients import GradientSource, ep_gradients
 from trainer2.machine import Machine, build_machine
 from trainer2.memory import MemoryBank
@@ -32,7 +33,7 @@ from trainer2.telemetry import Monitor
 from trainer2.update import Updater
 
 # Parts wired once in __init__; assigning one afterwards is refused (pass gradients= to Trainer instead).
-WIRED = frozenset({"cfg", "device", "data", "machine", "memory", "params", "batch_step", "runner", "sampler", "monitor", "run_dir"})
+WIRED = frozenset({"cfg", "dist", "device", "data", "machine", "memory", "params", "batch_step", "runner", "sampler", "monitor", "run_dir"})
 
 
 def lr_at(cfg: TrainConfig, window: int, total: int) -> float:
@@ -57,9 +58,13 @@ class Progress:
 class Trainer:
     """setup (in __init__) / train / evaluate / save_summary; state_dict / load_state_dict for checkpoints."""
 
-    def __init__(self, cfg: TrainConfig, gradients: GradientSource = ep_gradients, log=print) -> None:
+    def __init__(self, cfg: TrainConfig, gradients: GradientSource = ep_gradients, log=print, dist: Distributed | None = None) -> None:
         self.cfg, self.log = cfg, log
-        self.device = resolve_device(cfg.device)
+        self.dist = Distributed() if dist is None else dist  # one process unless torchrun started this one
+        if self.dist.world_size > 1 and cfg.memory_capacity:
+            raise ConfigError("memory_capacity: the memory bank is per process and would differ between ranks; "
+                              "multi-process runs need --memory_capacity 0")
+        self.device = self.dist.place(resolve_device(cfg.device), cfg.device)
         graphs = cfg.use_cudagraphs and self.device.type == "cuda"  # without CUDA the StepRunner warns once
         torch.manual_seed(cfg.seed)  # the global RNGs too, so anything drawing from them repeats (and is checkpointed)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
@@ -70,14 +75,15 @@ class Trainer:
         like = self.machine.readout.protos
         self.memory = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, like) if cfg.memory_capacity else None
         self.params = ParamTable.build(self.machine, cfg)
-        self.batch_step: BatchStep = build_step(self.machine, cfg, cfg.batch_size, self.memory, gradients, self.params)
+        self.batch_step: BatchStep = build_step(self.machine, cfg, cfg.batch_size, self.memory, gradients, self.params, self.dist)
         self.runner = StepRunner.from_config(self.batch_step, cfg, log)
-        self.sampler = Sampler(self.data.num_examples("train"), cfg.batch_size, cfg.seed)
+        self.global_batch = cfg.batch_size * self.dist.world_size  # every rank draws it; rank r trains on slice r
+        self.sampler = Sampler(self.data.num_examples("train"), self.global_batch, cfg.seed)
         self.progress = Progress()
         self.history: list[dict[str, float]] = []
         self._eval_relaxations: dict[int, Relaxation] = {}  # scoring only: no update state
         self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
-        self.monitor = Monitor(cfg, self.device, self.run_dir, eager=not (graphs or cfg.use_torch_compile), log=log)
+        self.monitor = Monitor(cfg, self.device, self.run_dir, eager=not (graphs or cfg.use_torch_compile), log=log, writes=self.dist.is_main)
         self._interval = (time.perf_counter(), 0)  # (clock, window) where the current log interval began
         self.text = self.data.kind == "text"  # bits per character only mean something for text
 
@@ -114,8 +120,9 @@ class Trainer:
     # --- training ---
 
     def next_batch(self) -> tuple[Tensor, Tensor]:
-        """Host tensors; the StepRunner stages them onto the device (pinned, non-blocking on CUDA)."""
-        return self.data.batch("train", self.sampler.next())
+        """This rank's slice of the global batch, as host tensors; the StepRunner stages them onto the device."""
+        b, r = self.cfg.batch_size, self.dist.rank
+        return self.data.batch("train", self.sampler.next()[r * b:(r + 1) * b])
 
     @torch.no_grad()
     def train(self) -> dict[str, Any]:
@@ -123,7 +130,8 @@ class Trainer:
         self.log("config:\n" + to_yaml(cfg).rstrip())
         self.log(f"data: {self.data.source} ({self.data.kind}, {self.data.num_examples('train')} train / "
                  f"{self.data.num_examples('heldout')} held-out examples, {self.data.num_classes} classes); device: {self.device}")
-        bar = tqdm(total=total, initial=self.progress.window, desc=cfg.run_name, unit="win", dynamic_ncols=True, mininterval=1.0)
+        quiet = {} if self.dist.is_main else {"disable": True}  # only rank 0 shows a bar
+        bar = tqdm(total=total, initial=self.progress.window, desc=cfg.run_name, unit="win", dynamic_ncols=True, mininterval=1.0, **quiet)
         if not bar.disable and not getattr(bar.fp, "isatty", lambda: False)():
             bar.mininterval = bar.maxinterval = 30.0  # in a pipe or CI: a line every 30 s, not a flood
         mon = self.monitor
@@ -133,6 +141,9 @@ class Trainer:
         self._interval = (time.perf_counter(), self.progress.window)
         lr = self.updater.state.lr
         first = self.progress.window  # a compiled or captured step spends its first window compiling
+        self.dist.check_in(self.updater.metrics.values, self.params.tensors, everywhere=False)  # same start on every rank?
+        # TODO(issue 11, SIGTERM): under torchrun the ranks must agree on the window to stop at (an all-reduce of a
+        # stop flag at the log interval, beside check_in), then rank 0 checkpoints once via save_checkpoint.
         while self.progress.window < total:
             w = self.progress.window
             mon.before_window(w)
@@ -144,7 +155,7 @@ class Trainer:
             if w == first and not mon.eager:
                 bar.unpause()  # count the compile apart: keep it out of the bar's rate and ETA
             self.progress.window += 1
-            self.progress.examples += cfg.batch_size
+            self.progress.examples += self.global_batch
             bar.update(1)
             done = self.progress.window == total
             if self.progress.window % cfg.log_every_windows == 0 or done:
@@ -171,6 +182,7 @@ class Trainer:
     def sync_metrics(self) -> dict[str, Any]:
         """One device-to-host transfer of every accumulated metric, then reset the accumulators."""
         st = self.updater.state
+        self.dist.check_in(self.updater.metrics.values, self.params.tensors, everywhere=True)  # all ranks' sums
         sums, (lr, dropped_total) = self.updater.metrics.read(st.lr, st.dropped)
         wins, ex = max(sums["windows"], 1.0), max(sums["examples"], 1.0)
         loss = sums["loss_sum"] / ex
@@ -207,8 +219,12 @@ class Trainer:
         return self._eval_relaxations[batch]
 
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
-        """Held-out loss (nats per example), accuracy and, for text, bits per character; one sync at the end."""
-        return heldout_metrics(self._relaxation_for, self.data, self.device, max_batches if max_batches is not None else self.cfg.eval_batches)
+        """Held-out loss (nats per example), accuracy and, for text, bits per character; one sync at the end.
+        Under torchrun each rank scores every world_size-th batch and the sums are added up."""
+        limit = max_batches if max_batches is not None else self.cfg.eval_batches
+        sums = heldout_sums(self._relaxation_for, self.data, self.device, limit, (self.dist.rank, self.dist.world_size))
+        self.dist.all_reduce_sum(sums, "the held-out evaluation")
+        return heldout_from_sums(sums, self.data.kind)
 
     # --- state ---
 
@@ -239,6 +255,7 @@ class Trainer:
             "config": self.cfg.model_dump(mode="json"),
             "counters": {"window": p.window, "examples": p.examples, "epoch": p.window / self.sampler.batches_per_epoch,
                          "sampler_epoch": self.sampler.epoch, "sampler_pos": int(self.sampler.state_dict()["pos"]),
+                         "global_batch": self.global_batch, "world_size": self.dist.world_size,
                          "wall_seconds": p.wall_seconds},
             "data": ck.data_fingerprint(self.data),
             "history": self.history,
@@ -262,11 +279,15 @@ class Trainer:
     # --- outputs ---
 
     def save_checkpoint(self) -> Path:
-        """Write <run_dir>/step_<window>/ atomically (trainer2.checkpoint) and prune to keep_last."""
-        tensors, meta = self.state_dict()
-        path = ck.save(self.run_dir, self.progress.window, tensors, meta)
-        ck.prune(self.run_dir, self.cfg.keep_last)
-        self.log(f"checkpoint: {path}")
+        """Write <run_dir>/step_<window>/ atomically (trainer2.checkpoint) and prune to keep_last; under torchrun
+        every rank calls it (the metric sums are gathered into rank 0's) and rank 0 writes."""
+        self.dist.check_in(self.updater.metrics.values, self.params.tensors, everywhere=False)
+        path = self.run_dir / ck.step_name(self.progress.window)
+        if self.dist.is_main:
+            tensors, meta = self.state_dict()
+            path = ck.save(self.run_dir, self.progress.window, tensors, meta)
+            ck.prune(self.run_dir, self.cfg.keep_last)
+            self.log(f"checkpoint: {path}")
         return path
 
     def load_checkpoint(self, path: Path) -> None:
@@ -278,13 +299,27 @@ class Trainer:
         loaded = ck.load_tensors(path, meta)
         ck.check_tensors(loaded, self.checkpoint_tensors(), path / ck.TENSORS_FILE, optional=frozenset({"rng.cuda"}))
         ck.check_counters(meta, path)
+        self.check_global_batch(meta, path)
         saved_torch = meta.get("versions", {}).get("torch")
         if saved_torch != torch.__version__:
             self.log(f"warning: checkpoint {path} was written with torch {saved_torch}, this is {torch.__version__}; "
                      "the resumed run may not be bitwise identical")
         self.load_state_dict(loaded, meta)
+        if not self.dist.is_main:
+            self.updater.metrics.values.zero_()  # the saved sums are every rank's: rank 0 alone carries them on
         self.runner.invalidate()  # recapture after load (the copies are in place, but a fresh capture is the safe default)
         self.log(f"resumed from {path} at window {self.progress.window}")
+
+    def check_global_batch(self, meta: dict[str, Any], path: Path) -> None:
+        """A checkpoint resumes on any number of processes, as long as the global batch is the same."""
+        saved = meta["counters"].get("global_batch", meta["config"].get("batch_size"))  # older ones: one process
+        world = meta["counters"].get("world_size", 1)
+        if saved != self.global_batch:
+            raise ck.CheckpointError(
+                f"checkpoint {path} was trained at a global batch of {saved} (batch_size {meta['config'].get('batch_size')} x "
+                f"{world} process(es)); this run's is {self.global_batch} (batch_size {self.cfg.batch_size} x "
+                f"{self.dist.world_size}); " + (f"pass --batch_size {saved // self.dist.world_size}" if saved % self.dist.world_size == 0
+                                                 else f"use a number of processes that divides {saved}"))
 
     def save_summary(self) -> dict[str, Any]:
         """Write <run_dir>/summary.json and return it; held-out figures come from the last evaluation."""
@@ -296,6 +331,7 @@ class Trainer:
             "windows_per_second": self.progress.window / wall if wall > 0 else 0.0,
             "dropped_updates": float(self.updater.state.dropped), "device": str(self.device),
         }
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
