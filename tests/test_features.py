@@ -36,7 +36,7 @@ def test_separable_blobs_reach_high_heldout_accuracy(tmp_path) -> None:
     assert before < 0.8 and summary["heldout_acc"] > 0.9, (before, summary)
     assert summary["data_kind"] == "features" and "heldout_bpc" not in summary and summary["heldout_loss"] < 0.5
     assert all("train_bpc" not in row for row in t.history)
-    assert json.loads((tmp_path / "dev" / "summary.json").read_text())["heldout_acc"] == summary["heldout_acc"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["heldout_acc"] == summary["heldout_acc"]
 
 
 def test_cli_trains_features_and_reports_accuracy(tmp_path, capsys) -> None:

@@ -74,7 +74,7 @@ def test_the_installed_wheel_runs_every_command_from_another_directory(installed
     assert f"tbptt_window_steps: 12  # preset {preset}" in r.stdout.splitlines()
 
     r = run_in(work, site, site / "bin" / "trainer2", "--preset", "dev", "--max_windows", "3", "--eval_batches", "2",
-               "--checkpoint_dir", "ck")
+               "--checkpoint_dir", "ck", "--run_name", "dev")
     assert r.returncode == 0, r.stderr
     assert "done: 3 windows" in r.stdout
     ckpt = work / "ck" / "dev" / "step_00000003"

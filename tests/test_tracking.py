@@ -78,9 +78,8 @@ def test_resume_continues_the_stream_and_drops_what_an_interrupted_run_logged_af
     shutil.rmtree(run_dir / "step_00000006")
     assert main(["--resume", "latest", *tiny(small_text, ck, tensorboard=True, max_windows=8)]) == 0
     rows = read_telemetry(run_dir / "telemetry.jsonl")
-    assert [r["window"] for r in rows] == [2, 4, 6, 6, 8]  # the jsonl keeps both copies of window 6
-    kept = [r for i, r in enumerate(rows) if i != 2]  # TensorBoard shows the resumed run's copy only
-    assert_same(events(run_dir), expected(kept))
+    assert [r["window"] for r in rows] == [2, 4, 6, 8]  # the resumed run replaced what was logged after its checkpoint
+    assert_same(events(run_dir), expected(rows))  # and TensorBoard shows the resumed run's window 6 only
     assert len(list((run_dir / TB_DIR).iterdir())) == 2  # one event file per process, one directory, one run
 
 

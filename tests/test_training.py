@@ -26,7 +26,7 @@ def test_short_run_lowers_heldout_loss_and_writes_summary(tmp_path, small_text):
     before = trainer.evaluate()["heldout_loss"]
     summary = trainer.train()
     assert summary["heldout_loss"] < 0.7 * before
-    written = json.loads((tmp_path / "ck" / "dev" / "summary.json").read_text())
+    written = json.loads((tmp_path / "ck" / "run" / "summary.json").read_text())
     for key in ("heldout_bpc", "heldout_acc", "windows", "examples_seen", "wall_seconds", "windows_per_second"):
         assert key in written
     assert written["windows"] == 300 and written["examples_seen"] == 300 * 16

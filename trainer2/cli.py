@@ -1,24 +1,36 @@
 """Command line: `trainer2 [train] [--preset NAME] [--config FILE] [--FIELD VALUE ...]`.
 
 Every TrainConfig field is a flag of the same name (trainer2.flags); subcommands evaluate, sample, plot and bench.
+Exit status: 0 done; 2 refused (a bad flag, config, data file or checkpoint; a run directory in use or holding
+another run); 3 the run diverged; 74 a file could not be written (disk full, read-only); 130 / 143 stopped by
+SIGINT / SIGTERM after saving a checkpoint (the last line printed says how to resume).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import json
+import shlex
+import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
 from trainer2.checkpoint import CheckpointError, read_meta
-from trainer2.config import ConfigError, annotated_yaml, build_config, config_origins
+from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
 from trainer2.data import DataError
 from trainer2.distributed import DistributedError, init_distributed, rank_label
-from trainer2.flags import add_config_flags, config_layers, none_or, resolve_config
+from trainer2.flags import add_config_flags, config_layers, none_or, resolve_config  # noqa: F401 (benchmarks import it from here)
+from trainer2.health import Diverged
+from trainer2.interrupt import exit_code
 from trainer2.plot import cmd_plot
-from trainer2.resume import fresh_run_guard, resume_config
+from trainer2.resume import fresh_config, fresh_run_guard, resume_config, resume_target
+from trainer2.rundir import RunDirError, RunLock, remove_orphans
 from trainer2.tracking import check_tracking
+
+EXIT_REFUSED, EXIT_DIVERGED, EXIT_IOERR = 2, 3, 74  # 74: EX_IOERR of sysexits.h
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -57,33 +69,70 @@ def cmd_train(argv: list[str]) -> int:
         return print_config(args)
     from trainer2.trainer import Trainer
 
-    path = None
+    layers = config_layers(args)
     if args.resume:
-        cfg, path = resume_config(args.resume, config_layers(args))
+        run_dir = resume_target(args.resume, layers)
     else:
-        cfg = resolve_config(args)
-        fresh_run_guard(cfg)
-    check_tracking(cfg)
-    dist = init_distributed(cfg)  # under torchrun: this process's rank and its process group
-    try:
-        trainer = Trainer(cfg, log=print if dist.is_main else quiet, dist=dist)
-        if path is not None:
-            trainer.load_checkpoint(path)
-        summary = trainer.train()
-    finally:
-        dist.close()
+        cfg = fresh_config(layers, preset_path(args.preset).stem if args.preset else "run")
+        run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
+    writer = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes, so only it owns the directory
+    with RunLock(run_dir) if writer else nullcontext():  # held until the run ends: a second run here is refused
+        if args.resume:
+            cfg, path = resume_config(args.resume, layers, run_dir)
+        elif writer:
+            fresh_run_guard(run_dir)
+        if writer:
+            remove_orphans(run_dir, print)
+        check_tracking(cfg)
+        dist = init_distributed(cfg)  # under torchrun: this process's rank and its process group
+        try:
+            trainer = Trainer(cfg, log=print if dist.is_main else quiet, dist=dist)
+            if args.resume:
+                trainer.load_checkpoint(path)
+            summary = trainer.train()
+        except Diverged as e:
+            print(f"trainer2: error{rank_label()}: {e}", file=sys.stderr)
+            return EXIT_DIVERGED
+        finally:
+            dist.close()
     if not dist.is_main:
         return 0
-    score = f"bpc {summary['heldout_bpc']:.3f}" if "heldout_bpc" in summary else f"loss {summary['heldout_loss']:.3f} nats/example"
-    print(
-        f"done: {summary['windows']} windows, {summary['examples_seen']} examples in {summary['wall_seconds']:.1f}s "
-        f"({summary['windows_per_second']:.2f} win/s); held-out {score}, acc {summary['heldout_acc']:.3f}"
-    )
+    if summary["interrupted"]:
+        print(f"trainer2: stopped by {summary['interrupted']} after window {summary['windows']}; resume with: "
+              f"{resume_command(cfg)}", file=sys.stderr)
+        return exit_code(signal.Signals[summary["interrupted"]])
+    print(done_line(summary))
     return 0
 
 
 def quiet(msg: str) -> None:
     """The log of ranks other than 0: they print nothing."""
+    del msg
+
+
+def done_line(summary: dict) -> str:
+    """The one-line result of a finished run; a non-finite figure (null in summary.json) says so."""
+    def fmt(key: str) -> str:
+        return "non-finite" if summary.get(key) is None else f"{summary[key]:.3f}"
+
+    score = f"bpc {fmt('heldout_bpc')}" if "heldout_bpc" in summary else f"loss {fmt('heldout_loss')} nats/example"
+    return (f"done: {summary['windows']} windows, {summary['examples_seen']} examples in {summary['wall_seconds']:.1f}s "
+            f"({summary['windows_per_second']:.2f} win/s); held-out {score}, acc {fmt('heldout_acc')}")
+
+
+def resume_command(cfg: TrainConfig) -> str:
+    """The command line that continues this run, as this process was started (`python main.py`, `trainer2`)."""
+    arg0 = Path(sys.argv[0])
+    if arg0.name == "__main__.py" and arg0.parent.name == "trainer2":
+        prog = "python -m trainer2"
+    elif arg0.name == "trainer2":
+        prog = "trainer2"
+    else:
+        prog = f"python {shlex.quote(sys.argv[0]) if arg0.name == 'main.py' else 'main.py'}"
+    line = f"{prog} --resume latest --run_name {shlex.quote(cfg.run_name)}"
+    if cfg.checkpoint_dir != TrainConfig.model_fields["checkpoint_dir"].default:
+        line += f" --checkpoint_dir {shlex.quote(cfg.checkpoint_dir)}"
+    return line
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -123,12 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     run = command or cmd_train
     try:
         return run(argv[1:] if command else argv)
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, RunDirError) as e:
         print(f"trainer2: error{rank_label()}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     except DistributedError as e:  # a failed or timed-out collective, or ranks that diverged; names the rank(s)
         print(f"trainer2: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # disk full, read-only, quota: the file and the cause, no traceback
+        print(f"trainer2: error: {e.filename}: {e.strerror}" if e.filename else f"trainer2: error: {e}", file=sys.stderr)
+        return EXIT_IOERR
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops gracefully): nothing half-written
+        print("trainer2: interrupted", file=sys.stderr)
+        return exit_code(signal.SIGINT)
 
 
 if __name__ == "__main__":  # python -m trainer2.cli

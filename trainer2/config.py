@@ -61,7 +61,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
     # --- run ---
-    run_name: str = Field("dev", description="Name of the run; outputs go to <checkpoint_dir>/<run_name>/.")
+    run_name: str = Field("run", description="Name of the run; outputs go to <checkpoint_dir>/<run_name>/. On the command "
+                          "line, a run started without one gets a fresh name <preset>-<N> (or run-<N>).")
     seed: int = Field(0, ge=-(2**63), lt=2**64, description="Seed for initialisation and the data sampler (what torch.manual_seed takes).")
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     dtype: Literal["float32", "float64"] = Field("float32", description="Floating-point type of every tensor.")

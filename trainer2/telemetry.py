@@ -38,23 +38,55 @@ def _finite(v: Any) -> Any:
 class Telemetry:
     """Appends one JSON object per line to <run_dir>/telemetry.jsonl (append: a resumed run continues the file).
 
-    Each line goes out in one unbuffered write, then fsync, so a killed run leaves whole lines only."""
+    Each line goes out in one unbuffered write, then fsync, so a killed run leaves whole lines only; a full disk
+    may still tear the last one, which `trim` (on resume) and `read_telemetry` drop."""
 
-    def __init__(self, run_dir: Path, cfg: TrainConfig) -> None:
+    def __init__(self, run_dir: Path, cfg: TrainConfig, resume_window: int | None = None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / CONFIG_FILE).write_text(to_yaml(cfg), encoding="utf-8")
         self.path = run_dir / TELEMETRY_FILE
+        trim(self.path, resume_window)
         self.file = open(self.path, "ab", buffering=0)
 
     def write(self, row: dict[str, Any]) -> None:
         data = (json.dumps({k: _finite(v) for k, v in row.items()}, allow_nan=False) + "\n").encode()
         view = memoryview(data)
-        while view:  # a raw write may be short in principle; the loop finishes the line
-            view = view[self.file.write(view):]
-        os.fsync(self.file.fileno())
+        try:
+            while view:  # a raw write may be short in principle; the loop finishes the line
+                view = view[self.file.write(view):]
+            os.fsync(self.file.fileno())
+        except OSError as e:  # disk full, quota: name the file, which a raw write's error does not
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def close(self) -> None:
         self.file.close()
+
+
+def trim(path: Path, resume_window: int | None) -> int:
+    """Cut a telemetry file back before appending: drop a torn last line, and on resume at `resume_window` the
+    rows past it (a killed run logged them after its last checkpoint; the resumed run logs them again).
+    Returns the bytes cut."""
+    if not path.is_file():
+        return 0
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1  # whole lines only
+    if resume_window is not None:
+        pos = 0
+        while pos < keep:
+            end = data.index(b"\n", pos) + 1
+            try:
+                row = json.loads(data[pos:end])
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                row = None  # not ours to judge: read_telemetry names it
+            if isinstance(row, dict) and isinstance(row.get("window"), int) and row["window"] > resume_window:
+                keep = pos
+                break
+            pos = end
+    if keep < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+            os.fsync(f.fileno())
+    return len(data) - keep
 
 
 def read_telemetry(path: Path) -> list[dict[str, Any]]:
@@ -163,7 +195,7 @@ class Monitor:
     def start(self, window: int) -> None:
         """Write config.yaml and open telemetry.jsonl for appending; `window` is where the run starts (resume)."""
         self.board = TensorBoardLog(self.run_dir, window) if self.cfg.tensorboard and self.writes else None  # first: a missing package writes nothing
-        self.telemetry = Telemetry(self.run_dir, self.cfg) if self.writes else None
+        self.telemetry = Telemetry(self.run_dir, self.cfg, window if window > 0 else None) if self.writes else None
         self.last_window = window
         skip = self.cfg.warmup_steps + 2  # past warm-up (and graph capture), so the trace shows steady windows
         count = self.cfg.profile_windows if self.writes else 0

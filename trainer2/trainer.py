@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import Tensor
 from tqdm import tqdm
 
@@ -24,16 +25,20 @@ from trainer2.data import Dataset, Sampler, load_dataset
 from trainer2.distributed import Distributed
 from trainer2.evaluation import heldout_from_sums, heldout_sums, resolve_device
 from trainer2.gradients import GradientSource, ep_gradients
+from trainer2.health import Diverged, Health, divergence_message, nonfinite
+from trainer2.interrupt import StopSignals
 from trainer2.machine import Machine, build_machine
 from trainer2.memory import MemoryBank
 from trainer2.params import ParamTable
 from trainer2.relaxation import Relaxation
+from trainer2.rundir import SUMMARY_FILE, write_error
 from trainer2.step import BatchStep, build_step
 from trainer2.telemetry import Monitor
 from trainer2.update import Updater
 
 # Parts wired once in __init__; assigning one afterwards is refused (pass gradients= to Trainer instead).
 WIRED = frozenset({"cfg", "dist", "device", "data", "machine", "memory", "params", "batch_step", "runner", "sampler", "monitor", "run_dir"})
+HISTORY_ROWS = 200  # logged rows a checkpoint's meta.json keeps; telemetry.jsonl is the full record
 
 
 def lr_at(cfg: TrainConfig, window: int, total: int) -> float:
@@ -85,6 +90,8 @@ class Trainer:
         self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
         self.monitor = Monitor(cfg, self.device, self.run_dir, eager=not (graphs or cfg.use_torch_compile), log=log, writes=self.dist.is_main)
         self._interval = (time.perf_counter(), 0)  # (clock, window) where the current log interval began
+        self._saved_at = -1  # window of the last checkpoint this trainer saved or loaded
+        self.health = Health(cfg.eps, log)
         self.text = self.data.kind == "text"  # bits per character only mean something for text
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -126,6 +133,9 @@ class Trainer:
 
     @torch.no_grad()
     def train(self) -> dict[str, Any]:
+        """Run to total_windows(), save a checkpoint and the summary, and return the summary. The first SIGINT or
+        SIGTERM stops the run after the current window, still saving both (summary["interrupted"] names the
+        signal); a divergence (trainer2.health) stops it without saving, and raises Diverged."""
         cfg, total = self.cfg, self.total_windows()
         self.log("config:\n" + to_yaml(cfg).rstrip())
         self.log(f"data: {self.data.source} ({self.data.kind}, {self.data.num_examples('train')} train / "
@@ -137,6 +147,25 @@ class Trainer:
         mon = self.monitor
         mon.attach(self.relaxation, bar, cfg.run_name)
         mon.start(self.progress.window)
+        with StopSignals() as signals:
+            try:
+                diverged = self.run_windows(total, bar, signals)
+            finally:  # also when a write fails: the bar and the telemetry file are closed either way
+                bar.close()
+                mon.close()
+            if diverged is not None:
+                message = divergence_message(*diverged, self.run_dir)
+                self.save_summary(diverged=message)
+                raise Diverged(message)
+            if self.progress.window != self._saved_at:
+                self.save_checkpoint()
+            stopped = signals.received if self.progress.window < total else None
+            return self.save_summary(interrupted=stopped.name if stopped else None)
+
+    def run_windows(self, total: int, bar: tqdm, signals: StopSignals) -> tuple[str, int] | None:
+        """The loop: windows until `total` or a stop signal, with logging, evaluation and periodic saves.
+        Returns None, or (what happened, last good window) when the run diverged (it then stops unsaved)."""
+        cfg, mon = self.cfg, self.monitor
         start = time.perf_counter() - self.progress.wall_seconds
         self._interval = (time.perf_counter(), self.progress.window)
         lr = self.updater.state.lr
@@ -158,9 +187,15 @@ class Trainer:
             self.progress.examples += self.global_batch
             bar.update(1)
             done = self.progress.window == total
+            self.progress.wall_seconds = time.perf_counter() - start
             if self.progress.window % cfg.log_every_windows == 0 or done:
+                since = self._interval[1]
                 with mon.phase("logging"):
                     row = self.sync_metrics()
+                diverged = self.health.diverged(row, since)
+                if diverged is not None:
+                    mon.record(row)
+                    return diverged
                 if (cfg.eval_every_windows and self.progress.window % cfg.eval_every_windows == 0) or done:
                     row.update(self.evaluate())
                 self.progress.wall_seconds = time.perf_counter() - start
@@ -169,15 +204,21 @@ class Trainer:
                 mon.record(row)
                 self.history.append(row)
                 bar.set_postfix(self.postfix(row), refresh=False)
-            if cfg.save_every_windows and self.progress.window % cfg.save_every_windows == 0 and not done:
-                self.progress.wall_seconds = time.perf_counter() - start
-                self.save_checkpoint()
+                self.health.warn_unsettled(row)
+            stop = signals.received is not None or done
+            if (cfg.save_every_windows and self.progress.window % cfg.save_every_windows == 0) or stop:
+                if not self.params_finite():  # never save poisoned parameters, even between log intervals
+                    return nonfinite(self._interval[1], self.progress.window), self.progress.window
+                if not done:  # the final checkpoint is train()'s
+                    self.save_checkpoint()
             mon.after_window(self.progress.window)
-        bar.close()
-        mon.close()
-        self.progress.wall_seconds = time.perf_counter() - start
-        self.save_checkpoint()
-        return self.save_summary()
+            if signals.received is not None:
+                break
+        return None
+
+    def params_finite(self) -> bool:
+        """Whether every parameter is finite (one host sync; checked before each save)."""
+        return bool(torch.isfinite(torch.stack(torch._foreach_norm(list(self.params.tensors), ord=math.inf))).all())
 
     def sync_metrics(self) -> dict[str, Any]:
         """One device-to-host transfer of every accumulated metric, then reset the accumulators."""
@@ -194,6 +235,7 @@ class Trainer:
         for k in ("lior_mean", "spd_mean", "spd_last", "lior_nudge", "R_mean", "dropped",
                   "update_norm_energy", "update_norm_readout", "update_norm_embed"):
             row[k] = sums[k] / wins
+        row["nonfinite_params"] = sums["nonfinite_params"]  # windows of the interval that left a parameter non-finite
         row["lior_diff"] = row["lior_nudge"] - row["lior_mean"]  # the nudge's extra path length
         t0, w0 = self._interval
         row["windows_per_second"] = (self.progress.window - w0) / max(time.perf_counter() - t0, 1e-9)
@@ -258,7 +300,7 @@ class Trainer:
                          "global_batch": self.global_batch, "world_size": self.dist.world_size,
                          "wall_seconds": p.wall_seconds},
             "data": ck.data_fingerprint(self.data),
-            "history": self.history,
+            "history": self.history[-HISTORY_ROWS:],
             "versions": ck.versions(),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
@@ -285,9 +327,13 @@ class Trainer:
         path = self.run_dir / ck.step_name(self.progress.window)
         if self.dist.is_main:
             tensors, meta = self.state_dict()
-            path = ck.save(self.run_dir, self.progress.window, tensors, meta)
+            try:
+                path = ck.save(self.run_dir, self.progress.window, tensors, meta)
+            except (OSError, SafetensorError) as e:  # disk full, read-only, quota: save removed its temporary directory
+                raise write_error(path, e, "checkpoints saved before it are intact") from None
             ck.prune(self.run_dir, self.cfg.keep_last)
             self.log(f"checkpoint: {path}")
+        self._saved_at = self.progress.window
         return path
 
     def load_checkpoint(self, path: Path) -> None:
@@ -307,6 +353,7 @@ class Trainer:
         self.load_state_dict(loaded, meta)
         if not self.dist.is_main:
             self.updater.metrics.values.zero_()  # the saved sums are every rank's: rank 0 alone carries them on
+        self._saved_at = self.progress.window
         self.runner.invalidate()  # recapture after load (the copies are in place, but a fresh capture is the safe default)
         self.log(f"resumed from {path} at window {self.progress.window}")
 
@@ -321,17 +368,29 @@ class Trainer:
                 f"{self.dist.world_size}); " + (f"pass --batch_size {saved // self.dist.world_size}" if saved % self.dist.world_size == 0
                                                  else f"use a number of processes that divides {saved}"))
 
-    def save_summary(self) -> dict[str, Any]:
-        """Write <run_dir>/summary.json and return it; held-out figures come from the last evaluation."""
-        last = next((r for r in reversed(self.history) if "heldout_loss" in r), None) or self.evaluate()
+    def save_summary(self, interrupted: str | None = None, diverged: str | None = None) -> dict[str, Any]:
+        """Write <run_dir>/summary.json (strict JSON: a non-finite number is null) and return it. Held-out figures
+        come from the last evaluation (heldout_window says when); a stopped run is not evaluated again."""
+        last = next((r for r in reversed(self.history) if "heldout_loss" in r), None)
+        if last is None and interrupted is None and diverged is None:
+            last = {"window": self.progress.window, **self.evaluate()}
         wall = self.progress.wall_seconds
         summary = {
-            **{k: last[k] for k in ("heldout_bpc", "heldout_acc", "heldout_loss") if k in last}, "data_kind": self.data.kind,
+            **({k: last[k] for k in ("heldout_bpc", "heldout_acc", "heldout_loss") if k in last} if last else {}),
+            **({"heldout_window": last["window"]} if last else {}), "data_kind": self.data.kind,
             "windows": self.progress.window, "examples_seen": self.progress.examples, "wall_seconds": wall,
             "windows_per_second": self.progress.window / wall if wall > 0 else 0.0,
             "dropped_updates": float(self.updater.state.dropped), "device": str(self.device),
+            "interrupted": interrupted, "diverged": diverged is not None, **({"error": diverged} if diverged else {}),
         }
+        summary = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            path, tmp = self.run_dir / SUMMARY_FILE, self.run_dir / f".{SUMMARY_FILE}.tmp"
+            try:
+                tmp.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+                tmp.replace(path)  # whole or not at all, even on a full disk
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                raise
         return summary

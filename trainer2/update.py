@@ -7,6 +7,7 @@ accumulated by name on the device and read back in one transfer per log interval
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +95,7 @@ def foreach_update(params: list[Tensor], grads: list[Tensor], st: UpdateState, m
 # Sums over a log interval; `MetricSums.read` turns them into the logged means.
 METRICS = (
     "windows", "examples", "loss_sum", "correct_sum", "lior_mean", "spd_mean", "spd_last", "lior_nudge", "R_mean",
-    "dropped", "update_norm_energy", "update_norm_readout", "update_norm_embed",
+    "dropped", "update_norm_energy", "update_norm_readout", "update_norm_embed", "nonfinite_params",
 )
 
 
@@ -143,6 +144,8 @@ class Updater:
             "lior_mean": st.lior_mean, "spd_mean": st.spd_mean, "spd_last": st.spd_last, "lior_nudge": st.lior_nudge,
             "R_mean": st.R_mean, "dropped": 1.0 - ok,
             **{f"update_norm_{g}": sq[g].sqrt() for g in GROUPS},
+            # 1 when a parameter is non-finite after this update: the largest |value| (no overflow) is inf or NaN
+            "nonfinite_params": 1.0 - torch.isfinite(torch.stack(torch._foreach_norm(params, ord=math.inf)).amax()).to(zero.dtype),
         })
 
     def tensors(self) -> dict[str, Tensor]:
