@@ -35,7 +35,7 @@ def write_error(path: Path, e: Exception, note: str = "") -> OSError:
     """An OSError naming `path` and the cause of a failed write (the safetensors writer wraps the OS error in its
     own type, whose text holds the errno), with an optional note on what is still intact."""
     code = e.errno if isinstance(e, OSError) else None
-    if code is None and (m := re.search(r"code: (\d+)", str(e))):
+    if code is None and (m := re.search(r"(?:code: |os error )(\d+)", str(e))):  # "(os error 28)", "Os { code: 28, .. }"
         code = int(m.group(1))
     cause = os.strerror(code) if code else str(e)
     return OSError(code or errno.EIO, cause + (f"; {note}" if note else ""), str(path))

@@ -218,7 +218,7 @@ class Trainer:
 
     def params_finite(self) -> bool:
         """Whether every parameter is finite (one host sync; checked before each save)."""
-        return bool(torch.isfinite(torch.stack(torch._foreach_norm(list(self.params.tensors), ord=math.inf))).all())
+        return bool(torch.stack([torch.isfinite(t).all() for t in self.params.tensors]).all())
 
     def sync_metrics(self) -> dict[str, Any]:
         """One device-to-host transfer of every accumulated metric, then reset the accumulators."""

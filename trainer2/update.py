@@ -7,7 +7,6 @@ accumulated by name on the device and read back in one transfer per log interval
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -144,8 +143,9 @@ class Updater:
             "lior_mean": st.lior_mean, "spd_mean": st.spd_mean, "spd_last": st.spd_last, "lior_nudge": st.lior_nudge,
             "R_mean": st.R_mean, "dropped": 1.0 - ok,
             **{f"update_norm_{g}": sq[g].sqrt() for g in GROUPS},
-            # 1 when a parameter is non-finite after this update: the largest |value| (no overflow) is inf or NaN
-            "nonfinite_params": 1.0 - torch.isfinite(torch.stack(torch._foreach_norm(params, ord=math.inf)).amax()).to(zero.dtype),
+            # 1 when a parameter is not finite after this update: NaN and inf carry through the sums (so does a sum
+            # past the float range, ~1e38: such a parameter has blown up anyway)
+            "nonfinite_params": 1.0 - torch.isfinite(torch.stack([p.sum() for p in params]).sum()).to(zero.dtype),
         })
 
     def tensors(self) -> dict[str, Tensor]:
