@@ -189,7 +189,8 @@ class Monitor:
                 self.log("note: step_progress_every: graph-compiled windows run whole, so progress is reported at window boundaries only")
 
     def start(self, window: int) -> None:
-        """Write config.yaml and open telemetry.jsonl for appending; `window` is where the run starts (resume)."""
+        """Write config.yaml and open telemetry.jsonl for appending; `window` is where the run starts (a resume
+        first cuts the rows past it, see `trim`)."""
         self.telemetry = Telemetry(self.run_dir, self.cfg, window if window > 0 else None)
         self.last_window = window
         skip = self.cfg.warmup_steps + 2  # past warm-up (and graph capture), so the trace shows steady windows
