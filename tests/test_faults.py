@@ -268,6 +268,13 @@ def test_paths_stored_in_a_checkpoint_do_not_steer_where_the_resumed_run_writes(
     assert ck.find_latest(copied.parent).name == "step_00000006" and not (tmp_path / "victims").exists()
 
 
+def test_resuming_a_directory_that_is_no_checkpoint_writes_nothing(tmp_path, capsys):
+    (tmp_path / "data" / "stuff").mkdir(parents=True)
+    assert main(["--resume", str(tmp_path / "data" / "stuff")]) == 2
+    assert "missing meta.json" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.rglob("*")] == ["data", "stuff"]  # no lock file, no run directory
+
+
 # --- 7. a full disk or a read-only directory ---
 
 

@@ -63,7 +63,7 @@ def resume_target(spec: str, layers: Layers) -> Path:
     else:
         own = Path(spec) if Path(spec).parent.name else Path(spec).resolve()  # "step_N" inside its run: the full path
         run_dir = Path(user.get("checkpoint_dir", own.parent.parent)) / user.get("run_name", own.parent.name)
-    resolve_checkpoint(spec, run_dir)  # a missing checkpoint is refused before anything is created
+    read_meta(resolve_checkpoint(spec, run_dir))  # no checkpoint there: refused before anything is created or locked
     return run_dir
 
 

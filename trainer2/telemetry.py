@@ -193,7 +193,8 @@ class Monitor:
                 self.log("note: step_progress_every: graph-compiled windows run whole, so progress is reported at window boundaries only")
 
     def start(self, window: int) -> None:
-        """Write config.yaml and open telemetry.jsonl for appending; `window` is where the run starts (resume)."""
+        """Write config.yaml and open telemetry.jsonl for appending; `window` is where the run starts (a resume
+        first cuts the rows past it, see `trim`)."""
         self.board = TensorBoardLog(self.run_dir, window) if self.cfg.tensorboard and self.writes else None  # first: a missing package writes nothing
         self.telemetry = Telemetry(self.run_dir, self.cfg, window if window > 0 else None) if self.writes else None
         self.last_window = window
