@@ -256,14 +256,14 @@ def test_print_config_shows_every_layer_and_reads_no_data(tmp_path, capsys):
             "--checkpoint_dir", str(ck_dir)]
     out, comments = printed(capsys, argv)
     # valid YAML that rebuilds exactly the config a run would use
-    assert build_config([("printed", yaml.safe_load(out))]) == config_from(argv)
+    assert build_config([("printed", yaml.safe_load(out))]) == config_from(argv).model_copy(update={"run_name": "dev-1"})
     assert list(comments) == list(TrainConfig.model_fields)
     dev = str(preset_dir() / "dev.yaml")
     assert comments["tbptt_window_steps"] == comments["lr_schedule"] == f"preset {dev}"
     assert comments["batch_size"] == comments["hidden_sizes"] == f"config {over}"
     assert comments["seed"] == comments["data"] == comments["checkpoint_dir"] == "command line"
     assert comments["dt"] == comments["rotor_k"] == ""  # defaults carry no comment
-    assert comments["run_name"] == ""  # the preset sets it, but to the default
+    assert comments["run_name"] == "a fresh run name"  # the one this run would get: dev-1
     assert not ck_dir.exists()  # nothing written, and the missing data file was never opened
 
 

@@ -284,3 +284,26 @@ def test_one_all_reduce_averages_drops_together_and_checksums_catch_divergence(t
         assert r["dropped"], f"rank {rank} applied an update although rank 1's gradient was NaN"
         assert r["sums_ok"], r
         assert f"rank {rank}: parameters differ between ranks: rank(s) [1] disagree with rank 0" in r["mismatch"], r
+
+
+@linux_only
+def test_sigterm_stops_every_rank_at_the_same_window_and_rank_0_saves(tmp_path, small_text):
+    proc, _, telemetry = start_long_run(tmp_path, small_text, 60.0)
+    proc.send_signal(signal.SIGTERM)  # what a scheduler sends; torchrun passes it on to every worker
+    out, _ = proc.communicate(timeout=120)
+    run = tmp_path / "long"
+    saved = sorted(p.name for p in run.glob("step_*"))
+    assert len(saved) == 1, out[-3000:]
+    stopped = int(saved[0].removeprefix("step_"))
+    assert stopped % TINY["log_every_windows"] == 0  # the ranks met there and agreed to stop
+    assert summary(run)["interrupted"] == "SIGTERM" and summary(run)["windows"] == stopped
+    assert json.loads(telemetry.read_text().splitlines()[-1])["window"] == stopped
+    assert f"trainer2: stopped by SIGTERM after window {stopped}; resume with: torchrun [the same options] main.py" in out
+    assert str(ROOT / "trainer2") not in out, out[-3000:]  # no worker traceback (torchrun prints its own SignalException)
+    assert len(load_file(str(run / saved[0] / "tensors.safetensors"))) > 0
+
+
+def test_an_unnamed_run_on_two_processes_gets_one_fresh_name(tmp_path, small_text):
+    torchrun(2, argv(**{**TINY, "max_windows": 5}, data=small_text, checkpoint_dir=tmp_path / "ck", batch_size=8))
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["run-1"]  # one run directory: rank 0 alone makes it
+    assert summary(tmp_path / "ck" / "run-1")["windows"] == 5

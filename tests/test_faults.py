@@ -249,6 +249,18 @@ def test_runs_without_a_name_get_fresh_ones_and_resume_latest_takes_the_newest(t
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_ranks_of_one_torchrun_job_arrive_at_the_same_fresh_name(tmp_path, monkeypatch):
+    ckdir = tmp_path / "ck"
+    (ckdir / "dev-1").mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    with RunLock(ckdir / "dev-2"):  # rank 0 of job-a has taken dev-2 before rank 1 looks
+        assert fresh_name(ckdir, "dev") == "dev-2"
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+        assert fresh_name(ckdir, "dev") == "dev-3"  # another job's directory is taken
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+        assert fresh_name(ckdir, "dev") == "dev-3"
+
+
 # --- 6. a checkpoint never decides where a resumed run writes ---
 
 

@@ -26,7 +26,7 @@ from trainer2.flags import add_config_flags, config_layers, none_or, resolve_con
 from trainer2.health import Diverged
 from trainer2.interrupt import exit_code
 from trainer2.plot import cmd_plot
-from trainer2.resume import fresh_config, fresh_run_guard, resume_config, resume_target
+from trainer2.resume import fresh_layers, fresh_run_guard, resume_config, resume_layers, resume_target
 from trainer2.rundir import RunDirError, RunLock, remove_orphans
 from trainer2.tracking import check_tracking
 
@@ -43,8 +43,9 @@ def train_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", help="Preset name (dev, production, profiling; shipped in the package) or a YAML path.")
     p.add_argument("--config", help="YAML file of config fields, applied over the preset.")
-    p.add_argument("--resume", metavar="latest|PATH", help="Continue from the run's newest checkpoint ('latest') or a "
-                   "step_<N>/ directory; its config is the lowest layer, and model/data fields must match it.")
+    p.add_argument("--resume", metavar="latest|PATH", help="Continue from a run's newest checkpoint ('latest': of --run_name, "
+                   "or of the run saved most recently) or a step_<N>/ directory, in its own run unless --run_name says "
+                   "otherwise; its config is the lowest layer, and model/data fields must match it.")
     p.add_argument("--print_config", action="store_true", help="Print the resolved config as YAML, each non-default "
                    "value commented with the layer it came from, and exit without loading data or touching checkpoints.")
     add_config_flags(p)
@@ -55,9 +56,11 @@ def print_config(args: argparse.Namespace) -> int:
     """--print_config: the resolved YAML with the layer of each non-default value; reads no data, writes nothing."""
     layers = config_layers(args)
     if args.resume:  # what the resumed run would use: the checkpoint's config is the lowest layer
-        cfg, path = resume_config(args.resume, layers)
-        layers = [(f"checkpoint {path}", read_meta(path)["config"]), *layers]
+        run_dir = resume_target(args.resume, layers)
+        cfg, path = resume_config(args.resume, layers, run_dir)
+        layers = resume_layers(path, read_meta(path), layers, run_dir)
     else:
+        layers = fresh_layers(layers, preset_path(args.preset).stem if args.preset else "run")
         cfg = build_config(layers)
     print(annotated_yaml(cfg, config_origins(layers)), end="")
     return 0
@@ -73,7 +76,7 @@ def cmd_train(argv: list[str]) -> int:
     if args.resume:
         run_dir = resume_target(args.resume, layers)
     else:
-        cfg = fresh_config(layers, preset_path(args.preset).stem if args.preset else "run")
+        cfg = build_config(fresh_layers(layers, preset_path(args.preset).stem if args.preset else "run"))
         run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
     writer = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes, so only it owns the directory
     with RunLock(run_dir) if writer else nullcontext():  # held until the run ends: a second run here is refused
@@ -129,6 +132,8 @@ def resume_command(cfg: TrainConfig) -> str:
         prog = "trainer2"
     else:
         prog = f"python {shlex.quote(sys.argv[0]) if arg0.name == 'main.py' else 'main.py'}"
+    if "WORLD_SIZE" in os.environ:  # started by torchrun, whose options this process cannot see
+        prog = "torchrun [the same options] " + prog.removeprefix("python ")
     line = f"{prog} --resume latest --run_name {shlex.quote(cfg.run_name)}"
     if cfg.checkpoint_dir != TrainConfig.model_fields["checkpoint_dir"].default:
         line += f" --checkpoint_dir {shlex.quote(cfg.checkpoint_dir)}"

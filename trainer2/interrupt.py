@@ -21,7 +21,7 @@ class StopSignals:
     handlers come back."""
 
     def __init__(self) -> None:
-        self.received: signal.Signals | None = None
+        self.received: signal.Signals | None = None  # under torchrun, another rank's may be set here (Trainer.stop_asked)
         self.previous: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> "StopSignals":

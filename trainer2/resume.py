@@ -29,13 +29,12 @@ def given(layers: Layers) -> dict[str, Any]:
     return out
 
 
-def fresh_config(layers: Layers, prefix: str) -> TrainConfig:
-    """The config of a new run; without a run_name in any layer, it gets a fresh one, `<prefix>-<N>`."""
-    cfg = build_config(layers)
+def fresh_layers(layers: Layers, prefix: str) -> Layers:
+    """The layers of a new run: the user's, and, when none sets run_name, a fresh one, `<prefix>-<N>`."""
     if "run_name" in given(layers):
-        return cfg
-    prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", prefix)
-    return build_config([*layers, ("a fresh run name", {"run_name": fresh_name(Path(cfg.checkpoint_dir), prefix)})])
+        return layers
+    root = Path(build_config(layers).checkpoint_dir)
+    return [*layers, ("a fresh run name", {"run_name": fresh_name(root, re.sub(r"[^A-Za-z0-9_.-]", "_", prefix))})]
 
 
 def fresh_run_guard(run_dir: Path) -> None:
@@ -67,15 +66,22 @@ def resume_target(spec: str, layers: Layers) -> Path:
     return run_dir
 
 
+def resume_layers(path: Path, meta: dict[str, Any], layers: Layers, run_dir: Path) -> Layers:
+    """The layers of a run resumed from checkpoint `path` into `run_dir`: the checkpoint's config without its
+    location (a copied checkpoint's paths mean nothing here), run_dir as the location, then the user's layers
+    (which, where they name a location, named run_dir: see resume_target)."""
+    saved = {k: v for k, v in meta["config"].items() if k not in LOCATION}
+    location = {"checkpoint_dir": str(run_dir.parent), "run_name": run_dir.name}
+    return [(f"checkpoint {path}", saved), ("the run directory", location), *layers]
+
+
 def resume_config(spec: str, layers: Layers, run_dir: Path) -> tuple[TrainConfig, Path]:
     """(config, checkpoint path) for --resume into `run_dir` (resume_target): the checkpoint's saved config
     overlaid by the user's layers, with run_dir as its location."""
     path = resolve_checkpoint(spec, run_dir)
     meta = read_meta(path)
-    saved = {k: v for k, v in meta["config"].items() if k not in LOCATION}  # a copied checkpoint's paths mean nothing here
-    location = ("the run directory", {"checkpoint_dir": str(run_dir.parent), "run_name": run_dir.name})
     try:
-        cfg = build_config([(f"checkpoint {path}", saved), *layers, location])
+        cfg = build_config(resume_layers(path, meta, layers, run_dir))
     except ConfigError as e:
         raise CheckpointError(f"{path / META_FILE}: its config cannot be used: {e}") from None
     check_config(meta["config"], cfg, path)

@@ -49,10 +49,21 @@ def run_files(run_dir: Path) -> list[str]:
 
 
 def fresh_name(checkpoint_dir: Path, prefix: str) -> str:
-    """`<prefix>-<N>` with N one more than the largest taken under checkpoint_dir (1 for the first)."""
+    """`<prefix>-<N>` with N one more than the largest taken under checkpoint_dir (1 for the first). Under torchrun,
+    a directory whose lock this job's rank 0 already holds is not taken: every rank must arrive at the same name."""
     pattern = re.compile(re.escape(prefix) + r"-(\d+)")
-    taken = [int(m.group(1)) for p in (checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else ()) if (m := pattern.fullmatch(p.name))]
+    found = ((p, m) for p in (checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else ()) if (m := pattern.fullmatch(p.name)))
+    taken = [int(m.group(1)) for p, m in found if not ours(p)]
     return f"{prefix}-{max(taken, default=0) + 1}"
+
+
+def ours(run_dir: Path) -> bool:
+    """Whether run_dir's lock records this torchrun job (TORCHELASTIC_RUN_ID, unique with --standalone)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    try:
+        return job is not None and json.loads((run_dir / LOCK_FILE).read_text()).get("job") == job
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def newest_run(checkpoint_dir: Path) -> Path | None:
@@ -100,8 +111,8 @@ class RunLock:
                 os.close(fd)
                 continue
             os.ftruncate(fd, 0)
-            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                     "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode() + b"\n")
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                     "job": os.environ.get("TORCHELASTIC_RUN_ID")}).encode() + b"\n")
             self.fd = fd
         return self
 

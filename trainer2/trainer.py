@@ -26,7 +26,7 @@ from trainer2.distributed import Distributed
 from trainer2.evaluation import heldout_from_sums, heldout_sums, resolve_device
 from trainer2.gradients import GradientSource, ep_gradients
 from trainer2.health import Diverged, Health, divergence_message, nonfinite
-from trainer2.interrupt import StopSignals
+from trainer2.interrupt import STOP_SIGNALS, StopSignals
 from trainer2.machine import Machine, build_machine
 from trainer2.memory import MemoryBank
 from trainer2.params import ParamTable
@@ -171,8 +171,6 @@ class Trainer:
         lr = self.updater.state.lr
         first = self.progress.window  # a compiled or captured step spends its first window compiling
         self.dist.check_in(self.updater.metrics.values, self.params.tensors, everywhere=False)  # same start on every rank?
-        # TODO(issue 11, SIGTERM): under torchrun the ranks must agree on the window to stop at (an all-reduce of a
-        # stop flag at the log interval, beside check_in), then rank 0 checkpoints once via save_checkpoint.
         while self.progress.window < total:
             w = self.progress.window
             mon.before_window(w)
@@ -188,7 +186,8 @@ class Trainer:
             bar.update(1)
             done = self.progress.window == total
             self.progress.wall_seconds = time.perf_counter() - start
-            if self.progress.window % cfg.log_every_windows == 0 or done:
+            logged = self.progress.window % cfg.log_every_windows == 0 or done
+            if logged:
                 since = self._interval[1]
                 with mon.phase("logging"):
                     row = self.sync_metrics()
@@ -205,16 +204,29 @@ class Trainer:
                 self.history.append(row)
                 bar.set_postfix(self.postfix(row), refresh=False)
                 self.health.warn_unsettled(row)
-            stop = signals.received is not None or done
-            if (cfg.save_every_windows and self.progress.window % cfg.save_every_windows == 0) or stop:
+            asked = self.stop_asked(signals, logged)
+            if (cfg.save_every_windows and self.progress.window % cfg.save_every_windows == 0) or asked or done:
                 if not self.params_finite():  # never save poisoned parameters, even between log intervals
                     return nonfinite(self._interval[1], self.progress.window), self.progress.window
                 if not done:  # the final checkpoint is train()'s
                     self.save_checkpoint()
             mon.after_window(self.progress.window)
-            if signals.received is not None:
+            if asked:
                 break
         return None
+
+    def stop_asked(self, signals: StopSignals, logged: bool) -> bool:
+        """Whether a stop signal ends the run after this window. Under torchrun the ranks must stop at the same
+        window: they agree at log intervals (one all-reduce), and a rank that got no signal takes another's."""
+        if not self.dist.launched:
+            return signals.received is not None
+        if not logged:
+            return False
+        got = torch.tensor([float(signals.received == sig) for sig in STOP_SIGNALS], device=self.device)
+        self.dist.all_reduce_sum(got, "the stop-signal exchange")
+        if signals.received is None and bool(got.any()):
+            signals.received = STOP_SIGNALS[int(got.argmax())]
+        return signals.received is not None
 
     def params_finite(self) -> bool:
         """Whether every parameter is finite (one host sync; checked before each save)."""
