@@ -55,7 +55,7 @@ def print_config(args: argparse.Namespace) -> int:
     """--print_config: the resolved YAML with the layer of each non-default value; reads no data, writes nothing."""
     layers = config_layers(args)
     if args.resume:  # what the resumed run would use: the checkpoint's config is the lowest layer
-        cfg, path = resume_config(args.resume, layers)
+        cfg, path = resume_config(args.resume, layers, resume_target(args.resume, layers))
         layers = [(f"checkpoint {path}", read_meta(path)["config"]), *layers]
     else:
         cfg = build_config(layers)
