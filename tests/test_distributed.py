@@ -287,9 +287,11 @@ def test_one_all_reduce_averages_drops_together_and_checksums_catch_divergence(t
 
 
 @linux_only
-def test_sigterm_stops_every_rank_at_the_same_window_and_rank_0_saves(tmp_path, small_text):
-    proc, _, telemetry = start_long_run(tmp_path, small_text, 60.0)
-    proc.send_signal(signal.SIGTERM)  # what a scheduler sends; torchrun passes it on to every worker
+@pytest.mark.parametrize("to", ["torchrun", "rank 1"])
+def test_sigterm_stops_every_rank_at_the_same_window_and_rank_0_saves(tmp_path, small_text, to):
+    proc, marker, telemetry = start_long_run(tmp_path, small_text, 60.0)
+    # torchrun passes a scheduler's SIGTERM on to every worker; a signal to one rank alone must stop them all too
+    os.kill(proc.pid if to == "torchrun" else rank_pid(marker, 1, time.monotonic() + 30), signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     run = tmp_path / "long"
     saved = sorted(p.name for p in run.glob("step_*"))
@@ -299,7 +301,7 @@ def test_sigterm_stops_every_rank_at_the_same_window_and_rank_0_saves(tmp_path, 
     assert summary(run)["interrupted"] == "SIGTERM" and summary(run)["windows"] == stopped
     assert json.loads(telemetry.read_text().splitlines()[-1])["window"] == stopped
     assert f"trainer2: stopped by SIGTERM after window {stopped}; resume with: torchrun [the same options] main.py" in out
-    assert str(ROOT / "trainer2") not in out, out[-3000:]  # no worker traceback (torchrun prints its own SignalException)
+    assert str(ROOT / "trainer2") not in out, out[-3000:]  # no worker traceback (torchrun prints its own report)
     assert len(load_file(str(run / saved[0] / "tensors.safetensors"))) > 0
 
 
