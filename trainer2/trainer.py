@@ -224,9 +224,10 @@ class Trainer:
             return False
         got = torch.tensor([float(signals.received == sig) for sig in STOP_SIGNALS], device=self.device)
         self.dist.all_reduce_sum(got, "the stop-signal exchange")
-        if signals.received is None and bool(got.any()):
+        agreed = bool(got.any())  # not this rank's flag: a signal may land here during the exchange (next interval's)
+        if agreed and signals.received is None:
             signals.received = STOP_SIGNALS[int(got.argmax())]
-        return signals.received is not None
+        return agreed
 
     def params_finite(self) -> bool:
         """Whether every parameter is finite (one host sync; checked before each save)."""
