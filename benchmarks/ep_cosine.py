@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.autograd_reference import cosine, exact_grads  # noqa: E402
-from trainer2.cli import resolve_config, train_parser  # noqa: E402
+from trainer2.cli import train_parser  # noqa: E402
+from trainer2.flags import resolve_config  # noqa: E402
 from trainer2.params import param_group  # noqa: E402
 from trainer2.machine import move_machine  # noqa: E402
 from trainer2.trainer import Trainer  # noqa: E402

@@ -27,7 +27,8 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.autograd_reference import exact_grads, readout_loss  # noqa: E402
-from trainer2.cli import resolve_config, train_parser  # noqa: E402
+from trainer2.cli import train_parser  # noqa: E402
+from trainer2.flags import resolve_config  # noqa: E402
 from trainer2.config import ConfigError, TrainConfig  # noqa: E402
 from trainer2.data import DataError, Sampler, heldout_batches  # noqa: E402
 from trainer2.evaluation import EVAL_BATCH  # noqa: E402

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from trainer2.cli import main, resolve_config, train_parser
+from trainer2.cli import main, train_parser
+from trainer2.flags import resolve_config
 from trainer2.config import ConfigError, TrainConfig, build_config, preset_dir, read_yaml
 
 

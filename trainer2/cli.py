@@ -22,7 +22,7 @@ from trainer2.checkpoint import CheckpointError, read_meta
 from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
 from trainer2.data import DataError
 from trainer2.distributed import DistributedError, init_distributed, rank_label
-from trainer2.flags import add_config_flags, config_layers, none_or, resolve_config  # noqa: F401 (benchmarks import it from here)
+from trainer2.flags import add_config_flags, config_layers, none_or
 from trainer2.health import Diverged
 from trainer2.interrupt import exit_code
 from trainer2.plot import cmd_plot

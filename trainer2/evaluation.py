@@ -35,6 +35,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def relaxation_cache(machine: Machine, cfg: TrainConfig, memory: MemoryBank | None) -> Callable[[int], Relaxation]:
+    """relaxation_for(batch): a scoring relaxation (no update state) for each batch size, built once per size."""
+    cache: dict[int, Relaxation] = {}
+
+    def relaxation_for(batch: int) -> Relaxation:
+        if batch not in cache:
+            cache[batch] = Relaxation(machine, cfg, batch, memory)
+        return cache[batch]
+
+    return relaxation_for
+
+
 @torch.no_grad()
 def heldout_metrics(relaxation_for: Callable[[int], Relaxation], data: Dataset, device: torch.device, max_batches: int | None) -> dict[str, float]:
     """Held-out loss (nats per example), accuracy and, for text, bits per character; one host sync at the end.
@@ -85,14 +97,7 @@ class TrainedMachine:
         return Relaxation(self.machine, self.cfg, batch, self.memory)
 
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
-        cache: dict[int, Relaxation] = {}
-
-        def relaxation_for(batch: int) -> Relaxation:
-            if batch not in cache:
-                cache[batch] = self.relaxation(batch)
-            return cache[batch]
-
-        return heldout_metrics(relaxation_for, self.data, self.device, max_batches if max_batches is not None else self.cfg.eval_batches)
+        return heldout_metrics(relaxation_cache(self.machine, self.cfg, self.memory), self.data, self.device, max_batches if max_batches is not None else self.cfg.eval_batches)
 
 
 def load_trained(path: str | Path, overrides: dict[str, Any] | None = None, log: Callable[[str], None] | None = None) -> TrainedMachine:

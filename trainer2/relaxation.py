@@ -96,11 +96,11 @@ class Relaxation:
 
     def free_stats(self) -> dict[str, Tensor]:
         """The free window's observables (call right after free_phase): batch means, 0-dim."""
-        steps, r_sc = self.cfg.tbptt_window_steps, self.m.readout.r_sc
+        steps = self.cfg.tbptt_window_steps
         spd = self.ws.spd_hist[:steps]  # (T, B)
-        spd_sum = spd.sum(0)
-        return {"lior_mean": spd_sum.mean() * (r_sc * self.cfg.dt), "spd_mean": spd_sum.mean() / steps,
-                "spd_last": spd[steps - 1].mean(), "R_mean": r_sc.clone()}
+        path = spd.sum(0).mean()
+        return {"lior_mean": self.lior(path), "spd_mean": path / steps, "spd_last": spd[steps - 1].mean(),
+                "R_mean": self.m.readout.r_sc.clone()}
 
     def nudged_phases(self, free: FreeState) -> None:
         """Relax T_nudge steps from s0 on E + beta * loss, every nudged phase at once (stacked rows)."""
@@ -114,7 +114,11 @@ class Relaxation:
 
     def nudged_lior(self) -> Tensor:
         """Mean LIoR path length of the nudged phases (0-dim), after nudged_phases."""
-        return self.ws_nudged.spd_hist[:self.cfg.nudge_steps].sum(0).mean() * (self.m.readout.r_sc * self.cfg.dt)
+        return self.lior(self.ws_nudged.spd_hist[:self.cfg.nudge_steps].sum(0).mean())
+
+    def lior(self, path: Tensor) -> Tensor:
+        """The LIoR path length R_sc dt sum(spd) from `path`, the batch mean of sum(spd) over a window's steps (0-dim)."""
+        return path * (self.m.readout.r_sc * self.cfg.dt)
 
     def relax(self, ws: Workspace, free: FreeState, steps: int, nudged: bool, name: str) -> None:
         """The window for `steps` steps; with on_steps set, in chunks of progress_every steps, each followed
@@ -126,8 +130,7 @@ class Relaxation:
         for done in range(0, steps, every):
             n = min(every, steps - done)
             self.window(ws, *args, done, n, nudged, self.integ, self.one_hot)
-            lior = ws.spd_hist[:done + n].sum(0).mean() * (self.m.readout.r_sc * self.cfg.dt)
-            spd_last, lior = torch.stack([ws.spd_hist[done + n - 1].mean(), lior]).tolist()
+            spd_last, lior = torch.stack([ws.spd_hist[done + n - 1].mean(), self.lior(ws.spd_hist[:done + n].sum(0).mean())]).tolist()
             self.on_steps(name, done + n, steps, spd_last, lior)
 
     def readout_scores(self, free: FreeState) -> tuple[Tensor, Tensor]:

@@ -23,7 +23,7 @@ from trainer2.capture import StepRunner
 from trainer2.config import ConfigError, TrainConfig, to_yaml
 from trainer2.data import Dataset, Sampler, load_dataset
 from trainer2.distributed import Distributed
-from trainer2.evaluation import heldout_from_sums, heldout_sums, resolve_device
+from trainer2.evaluation import heldout_from_sums, heldout_sums, relaxation_cache, resolve_device
 from trainer2.gradients import GradientSource, ep_gradients
 from trainer2.health import Diverged, Health, divergence_message, nonfinite
 from trainer2.interrupt import STOP_SIGNALS, StopSignals
@@ -86,7 +86,7 @@ class Trainer:
         self.sampler = Sampler(self.data.num_examples("train"), self.global_batch, cfg.seed)
         self.progress = Progress()
         self.history: list[dict[str, float]] = []
-        self._eval_relaxations: dict[int, Relaxation] = {}  # scoring only: no update state
+        self._relaxation_for = relaxation_cache(self.machine, cfg, self.memory)  # scoring only: no update state
         self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
         self.monitor = Monitor(cfg, self.device, self.run_dir, eager=not (graphs or cfg.use_torch_compile), log=log, writes=self.dist.is_main)
         self._interval = (time.perf_counter(), 0)  # (clock, window) where the current log interval began
@@ -267,11 +267,6 @@ class Trainer:
         return out
 
     # --- evaluation ---
-
-    def _relaxation_for(self, batch: int) -> Relaxation:
-        if batch not in self._eval_relaxations:
-            self._eval_relaxations[batch] = Relaxation(self.machine, self.cfg, batch, self.memory)
-        return self._eval_relaxations[batch]
 
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
         """Held-out loss (nats per example), accuracy and, for text, bits per character; one sync at the end.

@@ -272,9 +272,3 @@ def set_nudge_scale(ws: Workspace, fold: FoldedFrame, integ: Integrator) -> None
 def window_function(integ: Integrator) -> WindowFn:
     """The integrator's window, chosen once per run."""
     return fixed_point_window if integ.fixed_point else leapfrog_window
-
-
-def run_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame, fold: FoldedFrame, steps: int, integ: Integrator,
-               nudged: bool, one_hot: bool, start: int = 0) -> None:
-    """Advance ws.state by `steps` steps (window steps start .. start + steps - 1), writing spd_hist rows."""
-    window_function(integ)(ws, params, frame, fold, start, steps, nudged, integ, one_hot)
