@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer2.geometry import rotor_matrix
+from trainer2.geometry import rotor_layers, rotor_matrix
 from trainer2.machine import Machine
 
 
@@ -34,7 +34,7 @@ def relax(x: Tensor, weights: list[Tensor], biases: list[Tensor], steps: int, dt
 
 def readout_loss(q: Tensor, targets: Tensor, g_diag: Tensor, theta: Tensor, protos: Tensor, r_sc: Tensor, machine: Machine, beta_r: float, eps: float) -> Tensor:
     """Per-example -log p_y with explicit (B, V, n) differences and log_softmax."""
-    rot = rotor_matrix(theta, machine.layout, q.shape[1])
+    rot = rotor_matrix(rotor_layers(theta, machine.layout))
     z = (q[:, None, :] - protos[None]) @ rot.T
     cost = r_sc * torch.sqrt((g_diag * z * z).sum(-1) + eps)
     return -torch.log_softmax(-beta_r * cost, dim=1).gather(1, targets[:, None]).squeeze(1)

@@ -32,7 +32,7 @@ from trainer2.flags import resolve_config  # noqa: E402
 from trainer2.config import ConfigError, TrainConfig  # noqa: E402
 from trainer2.data import DataError, Sampler, heldout_batches  # noqa: E402
 from trainer2.evaluation import EVAL_BATCH  # noqa: E402
-from trainer2.geometry import readout_frame, readout_loss_and_grads  # noqa: E402
+from trainer2.geometry import ReadoutScratch, target_mask, readout_frame, readout_loss_and_grads  # noqa: E402
 from trainer2.gradients import StepResult  # noqa: E402
 from trainer2.machine import Machine, project_constraints  # noqa: E402
 from trainer2.params import param_group  # noqa: E402
@@ -126,7 +126,9 @@ def train_feedforward(cfg: TrainConfig, examples: int, act: str = "relu", head_k
             if head is None:  # score with the trainer's own readout code, as its evaluation does
                 cand = m.prototype_candidates()
                 frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
-                res = readout_loss_and_grads(out, frame, cand, targets, m.num_classes, m.layout, m.readout.theta)
+                mask = target_mask(cand.labels, targets, out.dtype)
+                sc = ReadoutScratch.allocate(out.shape[0], out.shape[1], cand.coords.shape[0], out)
+                res = readout_loss_and_grads(out, frame, cand, mask, m.num_classes, m.layout, sc)
                 loss, probs = res.loss, res.probs
             else:
                 loss, probs = torch.nn.functional.cross_entropy(out, targets, reduction="none"), out

@@ -25,7 +25,6 @@ from safetensors.torch import load_file
 from trainer2.cli import main
 from trainer2.config import ConfigError, TrainConfig
 from trainer2.distributed import Distributed, DistributedError, GradReducer, init_distributed, rank_label
-from trainer2.gradients import StepResult
 from trainer2.params import ParamTable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,24 +238,24 @@ def _worker(rank: int, world: int, init: str, results: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     d = Distributed(rank, world, rank, True, 30.0)
     from tiny import tiny_config, tiny_machine
-    from trainer2.update import Updater
+    from trainer2.update import Updater, flat_update
 
     cfg = tiny_config()
     m = tiny_machine(cfg)
     table = ParamTable.build(m, cfg)
-    reducer = GradReducer.build(table, d)
+    up = Updater(m, cfg, table)
+    reducer = GradReducer(up.grad, d)
     grads = {n: torch.full_like(t, float(rank + 1)) for n, t in zip(table.names, table.tensors)}
-    out = reducer(StepResult(grads, torch.zeros(5), torch.zeros(5, 7), None))
-    mean_ok = all(torch.equal(g, torch.full_like(g, 1.5)) for g in out.grads.values())
-    views_are_flat = all(g.data_ptr() == v.data_ptr() for g, v in zip(out.grads.values(), reducer.views))
+    up.gather(grads)
+    reducer()
+    mean_ok = all(torch.equal(g, torch.full_like(g, 1.5)) for g in table.views(up.grad).values())
+    views_are_flat = up.grad.data_ptr() == reducer.flat.data_ptr()
     if rank == 1:
         grads["W_1"][0, 0] = float("nan")
-    out = reducer(StepResult(grads, torch.zeros(5), torch.zeros(5, 7), None))
-    up = Updater(m, cfg, table)
+    up.gather(grads)
+    reducer()
     before = [t.clone() for t in table.tensors]
-    from trainer2.update import foreach_update
-
-    foreach_update(list(table.tensors), table.ordered(out.grads), up.state, up.mults, up.decay, cfg)
+    flat_update(table.flat, up.grad, up.state, table.mult, table.decay_flat, cfg, up.step)
     dropped = float(up.state.dropped) == 1.0 and all(torch.equal(a, b) for a, b in zip(before, table.tensors))
     sums = torch.tensor([1.0, 10.0 * (rank + 1)], dtype=torch.float64)
     d.check_in(sums, table.tensors, everywhere=False)

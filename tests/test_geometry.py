@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from trainer2.geometry import Candidates, ReadoutParams, readout_frame, readout_loss_and_grads, rotor_layout, rotor_matrix
+from trainer2.geometry import (Candidates, ReadoutParams, ReadoutScratch, target_mask, readout_force, readout_frame, readout_loss_and_grads,
+                               rotor_layers, rotor_layout, rotor_matrix)
 
 
 
@@ -20,9 +21,21 @@ def float64():
     torch.set_default_dtype(old)
 
 
+def givens_product(theta, layout, n):
+    """R as the product of one full n x n Givens matrix per plane, applied in order (independent of the trainer's code)."""
+    planes = [(int(a), int(b)) for la, lb in zip(layout.a, layout.b) for a, b in zip(la, lb)]
+    assert len(planes) == theta.shape[0]
+    rot = torch.eye(n)
+    for j, (a, b) in enumerate(planes):
+        c, s = torch.cos(theta[j]), torch.sin(theta[j])
+        giv = torch.eye(n).index_put((torch.tensor([a, a, b, b]), torch.tensor([a, b, a, b])), torch.stack([c, -s, s, c]))
+        rot = giv @ rot
+    return rot
+
+
 def reference_loss(q, targets, g, theta, protos, r_sc, bank, bank_labels, bank_bias, layout, beta_r, eps):
     """-log p_y with explicit differences: p_v sums the softmax weights of every candidate labelled v."""
-    rot = rotor_matrix(theta, layout, q.shape[1])
+    rot = givens_product(theta, layout, q.shape[1])
     coords = torch.cat([protos, bank])
     labels = torch.cat([torch.arange(protos.shape[0]), bank_labels])
     bias = torch.cat([torch.zeros(protos.shape[0]), bank_bias])
@@ -34,9 +47,10 @@ def reference_loss(q, targets, g, theta, protos, r_sc, bank, bank_labels, bank_b
 
 
 @pytest.mark.parametrize("with_bank", [False, True])
-def test_readout_gradients_match_autograd(with_bank):
+@pytest.mark.parametrize("k", [11, 3, 0])  # four rotor layers (the last one partial), one, none
+def test_readout_gradients_match_autograd(with_bank, k):
     gen = torch.Generator().manual_seed(0)
-    n, k, V, B = 6, 11, 5, 7
+    n, V, B = 6, 5, 7
     layout = rotor_layout(n, k)
     theta, g = torch.randn(k, generator=gen), torch.rand(n, generator=gen) + 0.5
     protos, r_sc = torch.randn(V, n, generator=gen), torch.tensor(1.3)
@@ -46,13 +60,16 @@ def test_readout_gradients_match_autograd(with_bank):
     bank_bias = torch.tensor([0.0, 0.0, 0.0, -math.inf][:nb])
     cand = Candidates(torch.cat([protos, bank]), torch.cat([torch.arange(V), bank_labels]), torch.cat([torch.zeros(V), bank_bias]))
     frame = readout_frame(ReadoutParams(g, theta, protos, r_sc), cand, layout, 2.0, 1e-6)
-    res = readout_loss_and_grads(q, frame, cand, y, V, layout, theta)
+    mask = target_mask(cand.labels, y, q.dtype)
+    sc = ReadoutScratch.allocate(B, n, V + nb, q)
+    grad_q = readout_force(q, frame, mask, sc, torch.empty_like(q))
+    res = readout_loss_and_grads(q, frame, cand, mask, V, layout, sc)
 
     leaves = [t.clone().requires_grad_(True) for t in (q, g, theta, protos, r_sc)]
     loss = reference_loss(*leaves[:1], y, *leaves[1:], bank, bank_labels, bank_bias, layout, 2.0, 1e-6)
     assert torch.allclose(res.loss, loss.detach(), rtol=1e-10)
-    grads = torch.autograd.grad(loss.mean(), leaves)
-    mine = [res.grad_q / B, res.grads.g_diag, res.grads.theta, res.grads.protos, res.grads.r_sc]
+    grads = torch.autograd.grad(loss.mean(), leaves, allow_unused=True, materialize_grads=True)  # k = 0: no angles
+    mine = [grad_q / B, res.grads.g_diag, res.grads.theta, res.grads.protos, res.grads.r_sc]
     for name, a, b in zip(["q", "g_diag", "theta", "protos", "r_sc"], mine, grads):
         assert (a - b).norm() <= 1e-8 * b.norm(), name
 
@@ -61,18 +78,9 @@ def test_rotor_is_orthogonal_and_the_product_of_its_givens_rotations():
     n, k = 7, 17
     layout = rotor_layout(n, k)
     theta = torch.randn(k, generator=torch.Generator().manual_seed(1))
-    rot = rotor_matrix(theta, layout, n)
+    rot = rotor_matrix(rotor_layers(theta, layout))
     assert torch.allclose(rot @ rot.T, torch.eye(n), atol=1e-12)
-    # Sequential reference: one full n x n Givens matrix per plane, applied in order.
-    expected = torch.eye(n)
-    planes = [(int(a), int(b)) for la, lb in zip(layout.a, layout.b) for a, b in zip(la, lb)]
-    assert len(planes) == k
-    for j, (a, b) in enumerate(planes):
-        giv = torch.eye(n)
-        c, s = math.cos(theta[j]), math.sin(theta[j])
-        giv[a, a], giv[a, b], giv[b, a], giv[b, b] = c, -s, s, c
-        expected = giv @ expected
-    assert torch.allclose(rot, expected, atol=1e-12)
+    assert torch.allclose(rot, givens_product(theta, layout, n), atol=1e-12)
 
 
 def test_rotor_layers_hold_disjoint_pairs():

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.config import ConfigError, build_config
-from trainer2.geometry import readout_frame, readout_loss_and_grads
+from trainer2.geometry import ReadoutScratch, readout_frame, readout_loss_and_grads, target_mask
 from trainer2.gradients import ep_gradients
 from trainer2.relaxation import Relaxation
 from trainer2.step import build_step
@@ -64,7 +64,8 @@ def test_empty_slot_at_the_query_never_wins() -> None:
 
     def retrieve(cand):
         frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
-        return readout_loss_and_grads(q, frame, cand, targets, m.num_classes, m.layout, m.readout.theta)
+        sc = ReadoutScratch.allocate(q.shape[0], q.shape[1], cand.coords.shape[0], q)
+        return readout_loss_and_grads(q, frame, cand, target_mask(cand.labels, targets, q.dtype), m.num_classes, m.layout, sc)
 
     b = bank(capacity=cfg.batch_size, batch=cfg.batch_size, n=cfg.coord_dim_n)
     wrong = (targets + 1) % m.num_classes

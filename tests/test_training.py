@@ -44,7 +44,7 @@ def test_grad_mode_is_off_and_no_tensor_requires_grad(tmp_path, small_text, monk
     trainer = Trainer(fast_config(tmp_path, small_text, max_windows=5), log=lambda *_: None)
     trainer.train()
     assert seen and not any(seen)
-    tensors = list(trainer.machine.named_params().values()) + trainer.updater.state.bufs
+    tensors = [*trainer.machine.named_params().values(), trainer.machine.flat, trainer.updater.state.bufs]
     assert not any(t.requires_grad for t in tensors)
 
 

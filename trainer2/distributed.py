@@ -8,7 +8,6 @@ one process at batch N x b, up to the order of floating-point sums.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,8 +19,6 @@ from torch import Tensor
 
 from trainer2.config import ConfigError, TrainConfig
 from trainer2.evaluation import resolve_device
-from trainer2.gradients import StepResult
-from trainer2.params import ParamTable
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -156,29 +153,15 @@ def param_checksum(params: Sequence[Tensor]) -> Tensor:
 
 @dataclass(frozen=True)
 class GradReducer:
-    """Averages every gradient over the ranks with one all-reduce of a flat buffer (a view per parameter, built
-    once). Sits in the batch step between the gradient source and the update; a non-finite gradient on any
-    rank makes the sum non-finite everywhere, so every rank drops the same update."""
+    """Averages the flat gradient buffer (every parameter's gradient, gathered by the update) over the ranks with one
+    all-reduce, in place. A non-finite gradient on any rank makes the sum non-finite everywhere, so every rank drops
+    the same update."""
 
-    names: tuple[str, ...]
     flat: Tensor
-    views: tuple[Tensor, ...]
     dist: Distributed
 
-    @staticmethod
-    def build(table: ParamTable, d: Distributed) -> "GradReducer":
-        like = table.tensors[0]
-        flat = torch.zeros(sum(t.numel() for t in table.tensors), dtype=like.dtype, device=like.device)
-        views, at = [], 0
-        for t in table.tensors:
-            views.append(flat[at:at + t.numel()].view(t.shape))
-            at += t.numel()
-        return GradReducer(table.names, flat, tuple(views), d)
-
-    def __call__(self, out: StepResult) -> StepResult:
-        # One copy in, one all-reduce, one scale; nothing reads a value back, so a CUDA graph can capture it
-        # (NCCL collectives are capturable). The update needs the result at once, so there is nothing to overlap.
-        torch.cat([out.grads[n].reshape(-1) for n in self.names], out=self.flat)
+    def __call__(self) -> None:
+        # Nothing reads a value back, so a CUDA graph can capture it (NCCL collectives are capturable). The update
+        # needs the result at once, so there is nothing to overlap.
         self.dist.all_reduce_sum(self.flat, "the gradient all-reduce")
         self.flat.div_(self.dist.world_size)
-        return dataclasses.replace(out, grads=dict(zip(self.names, self.views, strict=True)))

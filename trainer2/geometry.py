@@ -20,14 +20,24 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class RotorLayout:
-    """Givens planes (a_j, b_j) grouped into layers of disjoint pairs; computed once per shape."""
+    """Givens planes (a_j, b_j) grouped into layers of disjoint pairs, and where each plane's four entries sit in
+    the stacked layer matrices; computed once per shape."""
 
     a: list[Tensor]  # per layer, LongTensor (P,) of first coordinates
     b: list[Tensor]  # per layer, LongTensor (P,) of second coordinates
-    slices: list[slice]  # per layer, which angles of theta (k,) it uses
+    index: Tensor  # (4, k) flat positions in (L, n, n) of entries (a, a), (b, b), (a, b), (b, a) of each plane
+    eye: Tensor  # (L * n * n,) L stacked identities, the layers at theta = 0
+    n: int
+
+    @property
+    def layers(self) -> int:
+        return len(self.a)
+
+    def to(self, device: torch.device) -> "RotorLayout":
+        return RotorLayout([t.to(device) for t in self.a], [t.to(device) for t in self.b], self.index.to(device), self.eye.to(device), self.n)
 
 
-def rotor_layout(n: int, k: int, device: torch.device | str = "cpu") -> RotorLayout:
+def rotor_layout(n: int, k: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> RotorLayout:
     """Round-robin (circle method) schedule: n-1 rounds of n//2 disjoint pairs, cycled until k planes."""
     players = list(range(n if n % 2 == 0 else n + 1))  # odd n: a dummy player sits out each round
     m = len(players)
@@ -36,48 +46,58 @@ def rotor_layout(n: int, k: int, device: torch.device | str = "cpu") -> RotorLay
         pairs = [(players[i], players[m - 1 - i]) for i in range(m // 2)]
         rounds.append([(min(p), max(p)) for p in pairs if max(p) < n])
         players = [players[0], players[-1], *players[1:-1]]
-    a, b, slices, used, r = [], [], [], 0, 0
+    layers: list[list[tuple[int, int]]] = []
+    used = 0
     while used < k:
-        pairs = rounds[r % len(rounds)][: k - used]
-        a.append(torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device))
-        b.append(torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device))
-        slices.append(slice(used, used + len(pairs)))
-        used += len(pairs)
-        r += 1
-    return RotorLayout(a, b, slices)
+        layers.append(rounds[len(layers) % len(rounds)][: k - used])
+        used += len(layers[-1])
+    planes = [(l, a, b) for l, pairs in enumerate(layers) for a, b in pairs]
+    index = torch.tensor([[(l * n + a) * n + a for l, a, b in planes], [(l * n + b) * n + b for l, a, b in planes],
+                          [(l * n + a) * n + b for l, a, b in planes], [(l * n + b) * n + a for l, a, b in planes]],
+                         dtype=torch.long, device=device).reshape(4, k)
+    return RotorLayout(
+        [torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device) for pairs in layers],
+        [torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device) for pairs in layers],
+        index, torch.eye(n, dtype=dtype, device=device).repeat(len(layers), 1, 1).reshape(-1), n,
+    )
 
 
-def givens_layer(z: Tensor, a: Tensor, b: Tensor, theta: Tensor) -> Tensor:
-    """Rotate the last dim of z (..., n) by one layer of disjoint Givens rotations; out of place."""
-    za, zb = z[..., a], z[..., b]
+def rotor_layers(theta: Tensor, layout: RotorLayout) -> Tensor:
+    """The Givens layers G (L, n, n), R = G_{L-1} ... G_0: in plane (a, b), G[a, a] = G[b, b] = cos, G[b, a] = -G[a, b] = sin."""
     c, s = torch.cos(theta), torch.sin(theta)
-    out = z.clone()
-    out[..., a] = c * za - s * zb
-    out[..., b] = s * za + c * zb
-    return out
+    vals = torch.cat([c, c, -s, s])  # the entries (a, a), (b, b), (a, b), (b, a) of every plane, as in layout.index
+    eye = layout.eye.to(theta.dtype)
+    return eye.index_put((layout.index.reshape(-1),), vals).view(layout.layers, layout.n, layout.n)
 
 
-def rotor_matrix(theta: Tensor, layout: RotorLayout, n: int) -> Tensor:
-    """R(theta) (n, n) = G_L ... G_1, so that z = R u rotates a column vector u."""
-    rows = torch.eye(n, dtype=theta.dtype, device=theta.device)
-    for a, b, sl in zip(layout.a, layout.b, layout.slices):
-        rows = givens_layer(rows, a, b, theta[sl])  # rows of I rotated = I R^T
-    return rows.T.contiguous()
+def rotor_matrix(layers: Tensor) -> Tensor:
+    """R (n, n) = G_{L-1} ... G_0 from the layers (L, n, n), so that z = R u rotates a column vector u."""
+    if layers.shape[0] == 0:
+        return torch.eye(layers.shape[1], dtype=layers.dtype, device=layers.device)
+    rot = layers[0]
+    for g in layers[1:]:
+        rot = g @ rot
+    return rot
 
 
-def rotor_angle_grad(s_final: Tensor, theta: Tensor, layout: RotorLayout) -> Tensor:
-    """d loss / d theta (k,) from S = sum delta z^T (n, n) taken at the output of the last layer.
+def rotor_angle_grad(d_rot: Tensor, layers: Tensor, layout: RotorLayout) -> Tensor:
+    """d loss / d theta (k,) from D = d loss / d R (n, n), given the layers G (L, n, n).
 
-    For z' = G z in plane (a, b): dz'_a/dtheta = -z'_b, dz'_b/dtheta = z'_a, so the angle's
-    gradient is S'[b, a] - S'[a, b]; S moves to the previous layer as G^T S' G.
+    d loss / d G_l = P_l^T D Q_l^T with P_l = G_{L-1} ... G_{l+1} and Q_l = G_{l-1} ... G_0; the angle of
+    plane (a, b) moves G_l[a, a], G_l[b, b] by -sin, G_l[b, a] by cos and G_l[a, b] by -cos.
     """
-    grad = torch.zeros_like(theta)
-    s = s_final
-    for a, b, sl in reversed(list(zip(layout.a, layout.b, layout.slices))):
-        grad[sl] = s[b, a] - s[a, b]
-        neg = -theta[sl]
-        s = givens_layer(givens_layer(s, a, b, neg).T, a, b, neg).T  # G^T S G
-    return grad
+    num = layers.shape[0]
+    if num == 0:
+        return d_rot.new_zeros(0)
+    eye = torch.eye(layout.n, dtype=d_rot.dtype, device=d_rot.device)
+    prefix, suffix = [eye], [eye]  # Q_0 .. Q_{L-1}; P_{L-1} .. P_0
+    for i in range(1, num):
+        prefix.append(layers[0] if i == 1 else layers[i - 1] @ prefix[-1])
+        suffix.append(layers[num - 1] if i == 1 else suffix[-1] @ layers[num - i])
+    dg = torch.stack(suffix[::-1]).transpose(1, 2) @ d_rot @ torch.stack(prefix).transpose(1, 2)  # (L, n, n)
+    m = dg.reshape(-1)[layout.index]  # (4, k): entries (a, a), (b, b), (a, b), (b, a)
+    g = layers.reshape(-1)[layout.index[::3].reshape(-1)].view(2, -1)  # cos (at (a, a)) and sin (at (b, a))
+    return (m[3] - m[2]) * g[0] - (m[0] + m[1]) * g[1]
 
 
 @dataclass
@@ -103,6 +123,7 @@ class Candidates:
 class ReadoutFrame:
     """Everything the readout needs that is fixed while the coordinates relax (derived once per batch)."""
 
+    layers: Tensor  # (L, n, n) the rotor's Givens layers
     rot: Tensor  # (n, n) R
     g: Tensor  # (n,) g_diag
     zc: Tensor  # (K, n) rotated candidates R c_k
@@ -116,11 +137,12 @@ class ReadoutFrame:
 
 def readout_frame(p: ReadoutParams, cand: Candidates, layout: RotorLayout, beta_r: float, eps: float) -> ReadoutFrame:
     """Rotate the candidates into the metric's frame once, for all steps of a window."""
-    rot = rotor_matrix(p.theta, layout, p.g_diag.shape[0])
+    layers = rotor_layers(p.theta, layout)
+    rot = rotor_matrix(layers)
     zc = cand.coords @ rot.T
     gzc = zc * p.g_diag
     cc = (gzc * zc).sum(-1) + eps
-    return ReadoutFrame(rot, p.g_diag, zc, gzc.T.contiguous(), cc, cand.bias, -beta_r * p.r_sc, p.r_sc, beta_r)
+    return ReadoutFrame(layers, rot, p.g_diag, zc, gzc.T.contiguous(), cc, cand.bias, -beta_r * p.r_sc, p.r_sc, beta_r)
 
 
 @dataclass
@@ -175,9 +197,9 @@ def readout_force(q: Tensor, f: ReadoutFrame, target_mask: Tensor, sc: ReadoutSc
     return torch.mm(sc.tmp, f.rot, out=out)
 
 
-def class_onehot(labels: Tensor, num_classes: int, dtype: torch.dtype) -> Tensor:
-    """(K, V) one-hot of labels (K,); unlike F.one_hot it never reads values back to the host (capturable, compilable)."""
-    return (labels[:, None] == torch.arange(num_classes, device=labels.device)).to(dtype)
+def target_mask(labels: Tensor, targets: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, K) 1 where candidate k (labels (K,)) carries example b's label (targets (B,)); no host read (capturable)."""
+    return (targets[:, None] == labels[None, :]).to(dtype)
 
 
 @dataclass
@@ -186,36 +208,29 @@ class ReadoutResult:
 
     loss: Tensor
     probs: Tensor
-    grad_q: Tensor  # (B, n) per example, not averaged
     grads: ReadoutParams
 
 
-def readout_loss_and_grads(
-    q: Tensor, f: ReadoutFrame, cand: Candidates, targets: Tensor, num_classes: int, layout: RotorLayout, theta: Tensor
-) -> ReadoutResult:
-    """Exact loss and analytic gradients of the batch-mean loss w.r.t. every readout parameter at q (B, n).
+def readout_loss_and_grads(q: Tensor, f: ReadoutFrame, cand: Candidates, target_mask: Tensor, num_classes: int,
+                           layout: RotorLayout, sc: ReadoutScratch) -> ReadoutResult:
+    """Exact loss and analytic gradients of the batch-mean loss w.r.t. every readout parameter at q (B, n), using
+    (and overwriting) the scratch sc. target_mask (B, K) is 1 where candidate k carries the example's label.
 
+    With z_bk = zq_b - zc_k and w_bk = dloss/dcost_bk / spd_bk: dloss/dz_bk = R_sc w_bk g z_bk, so everything
+    follows from U = sum_k w_bk z_bk (B, n), V = -sum_b w_bk z_bk (K, n) and cov = sum_bk w_bk z_bk z_bk^T (n, n).
     Only the first V candidates are prototypes (parameters); the rest (memory bank) are data.
     """
-    batch = q.shape[0]
-    onehot = class_onehot(cand.labels, num_classes, q.dtype)  # (K, V)
-    target_mask = onehot[:, targets].T  # (B, K)
-    sc = ReadoutScratch.allocate(batch, q.shape[1], cand.coords.shape[0], q)
-    grad_q = readout_force(q, f, target_mask, sc, torch.empty_like(q))
-    probs = sc.pi @ onehot
-    loss = -torch.log(sc.py.squeeze(1))
-    zq, w = sc.zq, sc.w / batch  # batch mean from here on
-    a = w * sc.spd  # dloss/dcost
-    w_b, w_k = w.sum(1, keepdim=True), w.sum(0)  # (B, 1), (K,)
-    wzc, wtzq = w @ f.zc, w.T @ zq  # (B, n), (K, n)
-    # d/dc_k: -R_sc R^T g (sum_b w_bk (zq_b - zc_k)).
-    m_k = (wtzq - w_k[:, None] * f.zc) * f.g * f.r_sc
-    grad_protos = -(m_k[:num_classes] @ f.rot)
-    # d/dg_i: R_sc / 2 * sum_bk w_bk z_bki^2 with z_bk = zq_b - zc_k.
-    zz = (w_b * zq * zq).sum(0) - 2 * (zq * wzc).sum(0) + (w_k[:, None] * f.zc * f.zc).sum(0)
-    grad_g = 0.5 * f.r_sc * zz
-    grad_r = (a * sc.spd).sum()  # cost = R_sc * spd
-    # d/dtheta: S = sum_bk delta_bk z_bk^T with delta = R_sc w g z (gradient w.r.t. z).
-    cov = zq.T @ (w_b * zq) - zq.T @ wzc - f.zc.T @ wtzq + f.zc.T @ (w_k[:, None] * f.zc)
-    grad_theta = rotor_angle_grad(f.r_sc * f.g[:, None] * cov, theta, layout)
-    return ReadoutResult(loss, probs, grad_q, ReadoutParams(grad_g, grad_theta, grad_protos, grad_r))
+    readout_weights(q, f, target_mask, sc)
+    loss = torch.log(sc.py.squeeze(1)).neg_()
+    probs = torch.zeros(q.shape[0], num_classes, dtype=q.dtype, device=q.device).index_add_(1, cand.labels, sc.pi)
+    zq, w = sc.zq, sc.w.div_(q.shape[0])  # batch mean from here on
+    u = torch.mul(zq, w.sum(1, keepdim=True)).sub_(w @ f.zc)
+    v = torch.mul(f.zc, w.sum(0)[:, None]).sub_(w.T @ zq)
+    cov = torch.addmm(zq.T @ u, f.zc.T, v)
+    gr = f.g * f.r_sc
+    grad_protos = (v[:num_classes] * gr) @ f.rot  # dloss/dc_k = -R^T (R_sc g sum_b w_bk z_bk)
+    grad_g = cov.diagonal().mul(f.r_sc).mul_(0.5)  # dcost/dg_i = R_sc z_i^2 / (2 spd)
+    grad_r = torch.dot(torch.mul(w, sc.spd).view(-1), sc.spd.view(-1))  # dcost/dR_sc = spd
+    # d/dR: sum of dloss/dz z^T at the rotor's output (gr[:, None] * cov) moved to its input by R.
+    grad_theta = rotor_angle_grad((gr[:, None] * cov) @ f.rot, f.layers, layout)
+    return ReadoutResult(loss, probs, ReadoutParams(grad_g, grad_theta, grad_protos, grad_r))

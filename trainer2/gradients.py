@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from trainer2.energy import coupling_grads
-from trainer2.geometry import readout_loss_and_grads
 from trainer2.relaxation import Relaxation, WindowStats
 
 
@@ -45,7 +44,7 @@ def ep_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResu
     with relax.phase("update"):  # forming the gradients counts as part of the update
         b = (2 if cfg.symmetric_nudge else 1) * cfg.beta_nudge
         gw, gb, gx = coupling_grads(relax.s_plus, relax.s_minus, free.x, m.energy, 1.0 / (b * relax.batch))
-        res = readout_loss_and_grads(relax.s0.s[-1], free.frame, free.cand, targets, m.num_classes, m.layout, m.readout.theta)
+        res = relax.readout_grads(free)
         grads = {**m.energy_names(gw, gb), "g_diag": res.grads.g_diag, "theta": res.grads.theta,
                  "protos": res.grads.protos, "r_sc": res.grads.r_sc}
         if m.emb is not None:

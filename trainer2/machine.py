@@ -15,13 +15,15 @@ from trainer2.geometry import Candidates, ReadoutParams, RotorLayout, rotor_layo
 
 @dataclass
 class Machine:
-    """All learned tensors plus the static rotor layout. emb is None for feature data."""
+    """All learned tensors plus the static rotor layout. emb is None for feature data. Every learned tensor is
+    a view of `flat`, one buffer in `named_params` order, so the update is a few whole-buffer operations."""
 
     emb: Tensor | None  # (V, embed_dim)
     energy: EnergyParams
     readout: ReadoutParams
     layout: RotorLayout
     num_classes: int
+    flat: Tensor  # (P,) every learned tensor, in named_params order
 
     def named_params(self) -> dict[str, Tensor]:
         """Every learned tensor by a stable name. This order is the one order of the parameters (update lists,
@@ -72,23 +74,33 @@ def build_machine(cfg: TrainConfig, num_classes: int, input_dim: int, text: bool
         protos=torch.randn(num_classes, n, generator=gen, dtype=dtype) * cfg.proto_init_scale,
         r_sc=torch.tensor(cfg.r_init, dtype=dtype),
     )
-    m = Machine(emb, energy, readout, rotor_layout(n, cfg.rotor_k), num_classes)
-    return move_machine(m, device)
+    return assemble(emb, energy, readout, rotor_layout(n, cfg.rotor_k, dtype=dtype), num_classes, device)
+
+
+def assemble(emb: Tensor | None, energy: EnergyParams, readout: ReadoutParams, layout: RotorLayout, num_classes: int,
+             device: torch.device) -> Machine:
+    """A machine on `device` holding copies of the given tensors as views of one flat buffer (named_params order)."""
+    loose = Machine(emb, energy, readout, layout, num_classes, torch.empty(0))
+    named = loose.named_params()
+    flat = torch.cat([t.detach().reshape(-1) for t in named.values()]).to(device)
+    views, at = {}, 0
+    for name, t in named.items():
+        views[name] = flat[at:at + t.numel()].view(t.shape)
+        at += t.numel()
+    r = {k: views[k] for k in ("g_diag", "theta", "protos", "r_sc")}
+    return Machine(
+        views.get("emb"),
+        EnergyParams([v for k, v in views.items() if k.startswith("W_")], [v for k, v in views.items() if k.startswith("b_")]),
+        ReadoutParams(**r),
+        layout.to(device),
+        num_classes,
+        flat,
+    )
 
 
 def move_machine(m: Machine, device: torch.device) -> Machine:
-    def mv(t: Tensor) -> Tensor:
-        return t.to(device)
-
-    layout = RotorLayout([mv(a) for a in m.layout.a], [mv(b) for b in m.layout.b], m.layout.slices)
-    r = m.readout
-    return Machine(
-        None if m.emb is None else mv(m.emb),
-        EnergyParams([mv(w) for w in m.energy.weights], [mv(b) for b in m.energy.biases]),
-        ReadoutParams(mv(r.g_diag), mv(r.theta), mv(r.protos), mv(r.r_sc)),
-        layout,
-        m.num_classes,
-    )
+    """A copy of m on `device` (its tensors re-gathered into a new flat buffer)."""
+    return assemble(m.emb, m.energy, m.readout, m.layout, m.num_classes, device)
 
 
 def couplings(m: Machine) -> list[Tensor]:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from trainer2.config import TrainConfig
 from trainer2.energy import input_drive
-from trainer2.geometry import Candidates, ReadoutFrame, class_onehot, readout_frame, readout_weights
+from trainer2.geometry import Candidates, ReadoutFrame, ReadoutResult, readout_frame, readout_loss_and_grads, readout_weights
 from trainer2.machine import Machine
 from trainer2.memory import MemoryBank
 from trainer2.window import FoldedFrame, Integrator, State, Workspace, fold_frame, set_nudge_scale, window_function
@@ -85,8 +85,8 @@ class Relaxation:
         cand = self.candidates()
         frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
         fold = fold_frame(m.energy, frame, cfg.eps)
-        onehot = class_onehot(cand.labels, m.num_classes, x.dtype)  # (K, V)
-        ws.target_mask.copy_(onehot[:, targets].T)
+        torch.eq(targets[:, None], cand.labels[None, :], out=ws.label_hit)
+        ws.target_mask.copy_(ws.label_hit)
         input_drive(x, m.energy, ws.drive)
         ws.state.zero_()
         free = FreeState(x, frame, fold, cand)
@@ -140,6 +140,10 @@ class Relaxation:
         probs = torch.zeros(self.batch, self.m.num_classes, dtype=sc.pi.dtype, device=sc.pi.device)
         probs.index_add_(1, free.cand.labels, sc.pi)  # p_v sums the weights of every candidate labelled v
         return -torch.log(sc.py.squeeze(1)), probs
+
+    def readout_grads(self, free: FreeState) -> ReadoutResult:
+        """Loss, probabilities and the readout's exact gradients (batch means) at s0."""
+        return readout_loss_and_grads(self.s0.s[-1], free.frame, free.cand, self.ws.target_mask, self.m.num_classes, self.m.layout, self.ws.readout)
 
     @torch.no_grad()
     def score(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:

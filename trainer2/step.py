@@ -31,7 +31,7 @@ class BatchStep:
     gradients: GradientSource
     updater: Updater
     memory: MemoryBank | None
-    reducer: GradReducer | None = None  # under torchrun: averages the gradients over the ranks
+    reducer: GradReducer | None = None  # under torchrun: averages the gathered gradient over the ranks
 
     @property
     def device(self) -> torch.device:
@@ -39,9 +39,11 @@ class BatchStep:
 
     def step(self, inputs: Tensor, targets: Tensor) -> None:
         out = self.gradients(self.relax, inputs, targets)
+        with self.relax.phase("update"):
+            self.updater.gather(out.grads)
         if self.reducer is not None:
             with self.relax.phase("allreduce"):  # includes waiting for the slowest rank
-                out = self.reducer(out)
+                self.reducer()
         with self.relax.phase("update"):
             self.updater.apply(out, targets)
             if self.memory is not None:
@@ -54,5 +56,6 @@ def build_step(machine: Machine, cfg: TrainConfig, batch: int, memory: MemoryBan
     """A batch step for `batch` examples over `machine`; EP gradients unless another source is given; under
     torchrun (`dist.launched`) the gradients are averaged over the ranks before the update."""
     table = ParamTable.build(machine, cfg) if table is None else table
-    reducer = GradReducer.build(table, dist) if dist is not None and dist.launched else None
-    return BatchStep(Relaxation(machine, cfg, batch, memory), gradients, Updater(machine, cfg, table), memory, reducer)
+    updater = Updater(machine, cfg, table)
+    reducer = GradReducer(updater.grad, dist) if dist is not None and dist.launched else None
+    return BatchStep(Relaxation(machine, cfg, batch, memory), gradients, updater, memory, reducer)

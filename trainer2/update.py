@@ -1,6 +1,6 @@
 """The update half of a batch step: the hand-written update rule, the constraints, and the metric sums.
 
-`foreach_update` steps every parameter at once with torch._foreach_* ops (heavy-ball or Adam); the
+`flat_update` steps every parameter at once over the flat parameter buffer (heavy-ball or Adam); the
 learning rate lives in a device tensor, so a schedule never breaks a captured graph. Metrics are
 accumulated by name on the device and read back in one transfer per log interval.
 """
@@ -20,75 +20,69 @@ from trainer2.params import GROUPS, ParamTable
 
 @dataclass
 class UpdateState:
-    """Momentum buffers (one per parameter), Adam's second moments, the applied-update count, the learning
-    rate (0-dim, on the device so a schedule never breaks a captured graph), the dropped-update count, and
+    """Momentum buffer and Adam's second moments over the flat parameter buffer (P,), the applied-update count, the
+    learning rate (0-dim, on the device so a schedule never breaks a captured graph), the dropped-update count, and
     the power-iteration vectors of the spectral caps."""
 
-    bufs: list[Tensor]
-    sq: list[Tensor]  # Adam's second moments (empty for heavy-ball)
+    bufs: Tensor  # (P,)
+    sq: Tensor  # (P,) Adam's second moments; (0,) for heavy-ball
     count: Tensor  # 0-dim, applied updates (Adam's bias correction)
     lr: Tensor
     dropped: Tensor
     power_vecs: list[Tensor]
 
     @staticmethod
-    def allocate(params: list[Tensor], power_sizes: list[int], cfg: TrainConfig) -> "UpdateState":
-        like = params[0]
-
+    def allocate(flat: Tensor, power_sizes: list[int], cfg: TrainConfig) -> "UpdateState":
         def scalar(v: float) -> Tensor:
-            return torch.tensor(v, dtype=like.dtype, device=like.device)
+            return torch.tensor(v, dtype=flat.dtype, device=flat.device)
 
-        ones = [torch.ones(h, dtype=like.dtype, device=like.device) for h in power_sizes]
+        ones = [torch.ones(h, dtype=flat.dtype, device=flat.device) for h in power_sizes]
         return UpdateState(
-            bufs=[torch.zeros_like(p) for p in params],
-            sq=[torch.zeros_like(p) for p in params] if cfg.update_rule == "adam" else [],
+            bufs=torch.zeros_like(flat), sq=torch.zeros_like(flat) if cfg.update_rule == "adam" else flat.new_zeros(0),
             count=scalar(0.0), lr=scalar(cfg.eta_update), dropped=scalar(0.0),
             power_vecs=[torch.nn.functional.normalize(u, dim=0) for u in ones],
         )
 
-    def tensors(self, names: tuple[str, ...]) -> dict[str, Tensor]:
-        """The state by checkpoint key."""
-        out = {f"momentum.{n}": b for n, b in zip(names, self.bufs, strict=True)}
-        out.update({f"second_moment.{n}": b for n, b in zip(names, self.sq)})
+    def tensors(self, table: ParamTable) -> dict[str, Tensor]:
+        """The state by checkpoint key (the flat buffers seen per parameter)."""
+        out = {f"momentum.{n}": v for n, v in table.views(self.bufs).items()}
+        if self.sq.numel():
+            out.update({f"second_moment.{n}": v for n, v in table.views(self.sq).items()})
         out.update({f"power.{i}": v for i, v in enumerate(self.power_vecs)})
         out.update({"update.lr": self.lr, "update.dropped": self.dropped, "update.count": self.count})
         return out
 
 
-def foreach_update(params: list[Tensor], grads: list[Tensor], st: UpdateState, mults: list[float], decay: list[float], cfg: TrainConfig) -> tuple[Tensor, list[Tensor]]:
-    """One step over all tensors at once: heavy-ball (buf = momentum * buf + grad, p -= lr * mult * buf) or
-    Adam (momentum as beta1, bias-corrected); grad includes decay * p.
+def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor, decay: Tensor | None, cfg: TrainConfig, step: Tensor) -> Tensor:
+    """One step of every parameter at once, over flat (P,) buffers: heavy-ball (buf = momentum * buf + grad,
+    p -= lr * mult * buf) or Adam (momentum as beta1, bias-corrected); grad includes decay * p.
 
     A non-finite gradient anywhere drops the whole update (buffers and parameters untouched) by a
-    device-side mask, counted in st.dropped; nothing syncs with the host. Returns (mask (0-dim),
-    norm of each parameter's step).
+    device-side mask, counted in st.dropped; nothing syncs with the host. grad is used as scratch; step
+    receives the applied step. Returns the mask (0-dim, 1 = applied).
     """
-    ok = torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()).to(params[0].dtype)
-    grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
-    torch._foreach_add_(grads, torch._foreach_mul(params, decay))
-    torch._foreach_mul_(grads, ok)
+    ok = torch.isfinite(grad.sum()).to(param.dtype)
+    grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    if decay is not None:
+        grad.addcmul_(decay, param)
+    grad.mul_(ok)
     mu = cfg.momentum
-    torch._foreach_mul_(st.bufs, 1.0 + ok * (mu - 1.0))  # decay by momentum, or keep when dropped
+    st.bufs.mul_(1.0 + ok * (mu - 1.0))  # decay by momentum, or keep when dropped
     if cfg.update_rule == "momentum":
-        torch._foreach_add_(st.bufs, grads)
-        steps = torch._foreach_mul(st.bufs, mults)
+        st.bufs.add_(grad)
+        torch.mul(st.bufs, mult, out=step)
     else:
         b2 = cfg.adam_beta2
         st.count.add_(ok)
-        torch._foreach_add_(st.bufs, grads, alpha=1.0 - mu)
-        torch._foreach_mul_(st.sq, 1.0 + ok * (b2 - 1.0))
-        torch._foreach_addcmul_(st.sq, grads, grads, value=1.0 - b2)
+        st.bufs.add_(grad, alpha=1.0 - mu)
+        st.sq.mul_(1.0 + ok * (b2 - 1.0)).addcmul_(grad, grad, value=1.0 - b2)
         t = st.count.clamp(min=1.0)
-        denom = torch._foreach_div(st.sq, 1.0 - b2**t)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, cfg.adam_eps)
-        steps = torch._foreach_div(st.bufs, denom)
-        torch._foreach_mul_(steps, mults)
-        torch._foreach_div_(steps, 1.0 - mu**t)
-    torch._foreach_mul_(steps, st.lr * ok)
-    torch._foreach_sub_(params, steps)
+        torch.div(st.sq, 1.0 - b2**t, out=step).sqrt_().add_(cfg.adam_eps)  # the denominator, formed in step
+        torch.div(st.bufs, step, out=step).mul_(mult).div_(1.0 - mu**t)
+    step.mul_(st.lr * ok)
+    param.sub_(step)
     st.dropped.add_(1.0 - ok)
-    return ok, list(torch._foreach_norm(steps))
+    return ok
 
 
 # Sums over a log interval; `MetricSums.read` turns them into the logged means.
@@ -119,35 +113,37 @@ class MetricSums:
 
 
 class Updater:
-    """Update state, constraints and metric sums for one machine; `apply` is the update half of a batch step."""
+    """Update state, constraints and metric sums for one machine; `gather` then `apply` is the update half of a batch
+    step. The flat gradient buffer `grad` is where a gradient all-reduce (under torchrun) works in place."""
 
     def __init__(self, machine: Machine, cfg: TrainConfig, table: ParamTable) -> None:
         self.m, self.cfg, self.table = machine, cfg, table
-        self.state = UpdateState.allocate(list(table.tensors), [w.shape[0] for w in couplings(machine)], cfg)
-        self.metrics = MetricSums(table.tensors[0])
-        self.mults, self.decay = list(table.mults), list(table.decay)  # the lists the _foreach ops take, built once
+        self.state = UpdateState.allocate(table.flat, [w.shape[0] for w in couplings(machine)], cfg)
+        self.metrics = MetricSums(table.flat)
+        self.grad, self.step = torch.zeros_like(table.flat), torch.zeros_like(table.flat)
+
+    def gather(self, grads: dict[str, Tensor]) -> Tensor:
+        """Copy the named gradients into the flat buffer (one copy); returns it."""
+        return torch.cat([g.reshape(-1) for g in self.table.ordered(grads)], out=self.grad)
 
     def apply(self, out: StepResult, targets: Tensor) -> None:
-        """Update every parameter from its named gradient, project the constraints, add the window's metrics."""
-        params = list(self.table.tensors)
-        ok, norms = foreach_update(params, self.table.ordered(out.grads), self.state, self.mults, self.decay, self.cfg)
+        """Update every parameter from the gathered gradient, project the constraints, add the window's metrics."""
+        t = self.table
+        ok = flat_update(t.flat, self.grad, self.state, t.mult, t.decay_flat, self.cfg, self.step)
         project_constraints(self.m, self.cfg, self.state.power_vecs)
         zero = torch.zeros((), dtype=out.loss.dtype, device=out.loss.device)
-        sq = dict.fromkeys(GROUPS, zero)
-        for g, nrm in zip(self.table.groups, norms, strict=True):
-            sq[g] = sq[g] + nrm * nrm
         st = out.stats
         self.metrics.add({
             "windows": zero + 1, "examples": zero + targets.shape[0], "loss_sum": out.loss.sum(),
             "correct_sum": (out.probs.argmax(1) == targets).to(zero.dtype).sum(),
             "lior_mean": st.lior_mean, "spd_mean": st.spd_mean, "spd_last": st.spd_last, "lior_nudge": st.lior_nudge,
             "R_mean": st.R_mean, "dropped": 1.0 - ok,
-            **{f"update_norm_{g}": sq[g].sqrt() for g in GROUPS},
-            # 1 when a parameter is not finite after this update: NaN and inf carry through the sums (so does a sum
+            **{f"update_norm_{g}": self.step[t.spans[g]].norm() if g in t.spans else zero for g in GROUPS},
+            # 1 when a parameter is not finite after this update: NaN and inf carry through the sum (so does a sum
             # past the float range, ~1e38: such a parameter has blown up anyway)
-            "nonfinite_params": 1.0 - torch.isfinite(torch.stack([p.sum() for p in params]).sum()).to(zero.dtype),
+            "nonfinite_params": 1.0 - torch.isfinite(t.flat.sum()).to(zero.dtype),
         })
 
     def tensors(self) -> dict[str, Tensor]:
         """Update state and metric sums by checkpoint key."""
-        return {**self.state.tensors(self.table.names), "metrics": self.metrics.values}
+        return {**self.state.tensors(self.table), "metrics": self.metrics.values}

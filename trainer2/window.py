@@ -122,6 +122,7 @@ class Workspace:
     state: State  # the running state
     drive: Tensor  # (R, H_1) W_1 x + b_1, filled before the window
     target_mask: Tensor  # (R, K) 1 where candidate k carries the example's label
+    label_hit: Tensor  # (R, K) bool, the same before conversion
     beta_sign: Tensor  # (R, 1) the nudging strength of each row (+beta, -beta or 0), fixed at allocation
     beta_col: Tensor  # (R, 1) per-row factor of the q nudge, set once per batch
     spd_hist: Tensor  # (T, R) spd of every step
@@ -165,6 +166,7 @@ class Workspace:
         beta_sign = torch.cat([torch.full((per, 1), b, dtype=like.dtype, device=like.device) for b in betas])
         return Workspace(
             state=State.zeros(rows, sizes, like, momenta=not fixed), drive=new(rows, sizes[0]), target_mask=new(rows, k),
+            label_hit=torch.zeros(rows, k, dtype=torch.bool, device=like.device),
             beta_sign=beta_sign, beta_col=new(rows, 1), spd_hist=spd_hist, spd_rows=list(spd_hist.unbind(0)),
             out_free=out_free, out=out, dq_free=out_free[:, :n], zv_free=out_free[:, n:], dq=out[:, :n], y=out[:, n:2 * n],
             qa=out[:, 2 * n:], temp=[new(rows, h) for h in sizes[:-2]] if fixed else [],
