@@ -60,6 +60,7 @@ class Relaxation:
         self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.tbptt_window_steps, [0.0], like, self.integ.fixed_point)
         self.ws_nudged = Workspace.allocate(len(betas) * batch, sizes, num_cand, cfg.nudge_steps, betas, like, self.integ.fixed_point)
         self.phases = len(betas)
+        self.fold = FoldedFrame.allocate(sizes[-2], sizes[-1], num_cand, cfg.eps, like)
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
         # The nudged equilibria, as views of the stacked workspace: rows [0, B) are +beta, [B, 2B) -beta.
         self.s_plus = [t[:batch] for t in self.ws_nudged.state.s]
@@ -84,7 +85,7 @@ class Relaxation:
         x = m.input_vectors(inputs)
         cand = self.candidates()
         frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
-        fold = fold_frame(m.energy, frame, cfg.eps)
+        fold = fold_frame(m.energy, frame, self.fold)
         torch.eq(targets[:, None], cand.labels[None, :], out=ws.label_hit)
         ws.target_mask.copy_(ws.label_hit)
         input_drive(x, m.energy, ws.drive)

@@ -74,14 +74,13 @@ class FoldedFrame:
 
     With L = diag(sqrt g) R, y = q L^T are coordinates in which the metric is Euclidean, A = L^T L and
     C_k = c_k A the candidates seen from q. h_M @ mh_* + q @ mq_* + b_* gives dq (the step of q without
-    the nudge) and either the velocity's frame [dq L^T | sqrt(eps)] (free) or y and q A (nudged)."""
+    the nudge) and either the velocity's frame [dq L^T | sqrt(eps)] (free) or y and q A (nudged).
+    Allocated once (the constant blocks written then); `fold_frame` refills the rest in place per batch."""
 
-    mh_free: Tensor  # (H_M, 2n + 1) h_M -> [dq | zv]
-    mq_free: Tensor  # (n, 2n + 1)   q -> [dq | zv]
-    b_free: Tensor  # (2n + 1,)
-    mh_nudge: Tensor  # (H_M, 3n) h_M -> [dq | y | qA]
-    mq_nudge: Tensor  # (n, 3n)   q -> [dq | y | qA]
-    b_nudge: Tensor  # (3n,)
+    m_free: Tensor  # (H_M + n, 2n + 1) [h_M; q] -> [dq | zv]: [[W^T, W^T L^T, 0], [-I, -L^T, 0]]
+    b_free: Tensor  # (2n + 1,) [b | b L^T | sqrt(eps)]
+    m_nudge: Tensor  # (H_M + n, 3n) [h_M; q] -> [dq | y | qA]: [[W^T, 0, 0], [-I, L^T, A]]
+    b_nudge: Tensor  # (3n,) [b | 0 | 0]
     lt: Tensor  # (n, n + 1) [L^T | 0]
     c: Tensor  # (n + 1,) [0 .. 0, sqrt(eps)]: |dq L^T, sqrt(eps)| = spd
     yc2: Tensor  # (n, K) -2 Yc^T
@@ -89,30 +88,53 @@ class FoldedFrame:
     caug: Tensor  # (K, n + 1) [-C | 1]: w @ caug = [-w C | sum w]
     bias: Tensor  # (K,) logit bias (0, or -inf for an empty memory slot)
     neg_scale: Tensor  # 0-dim -retrieval_beta * R_sc
+    mh_free: Tensor  # row blocks of m_free and m_nudge (views): h_M's part and q's part
+    mq_free: Tensor
+    mh_nudge: Tensor
+    mq_nudge: Tensor
+    eps: float
+
+    @staticmethod
+    def allocate(hidden: int, n: int, k: int, eps: float, like: Tensor) -> "FoldedFrame":
+        def new(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+        m_free, m_nudge = new(hidden + n, 2 * n + 1), new(hidden + n, 3 * n)
+        f = FoldedFrame(m_free, new(2 * n + 1), m_nudge, new(3 * n), new(n, n + 1), new(n + 1), new(n, k), new(k), new(k, n + 1), new(k), new(),
+                        m_free[:hidden], m_free[hidden:], m_nudge[:hidden], m_nudge[hidden:], eps)
+        minus_eye = -torch.eye(n, dtype=like.dtype, device=like.device)
+        f.m_free[hidden:, :n] = minus_eye
+        f.m_nudge[hidden:, :n] = minus_eye
+        f.b_free[2 * n] = math.sqrt(eps)
+        f.c[n] = math.sqrt(eps)
+        f.caug[:, n] = 1.0
+        return f
 
 
-def fold_frame(p: EnergyParams, f: ReadoutFrame, eps: float) -> FoldedFrame:
-    """Per batch (outside the window): the matrices of `FoldedFrame` from the top coupling and the readout frame."""
+def fold_frame(p: EnergyParams, f: ReadoutFrame, out: FoldedFrame) -> FoldedFrame:
+    """Per batch (outside the window): refill `out` from the top coupling and the readout frame, in place; returns it.
+    Blocks are written by copy_ and in-place ops (torch.compile refuses non-contiguous out= tensors)."""
     w, b = p.weights[-1], p.biases[-1]  # (n, H_M), (n,)
     n, h = w.shape
     sg = f.g.sqrt()
-    lmat = sg[:, None] * f.rot  # L (n, n)
-    lt = lmat.T
-    amat = lt @ lmat
-    yc = f.zc * sg  # (K, n)
-    like = dict(dtype=w.dtype, device=w.device)
-    eye = torch.eye(n, **like)
-    zcol = torch.zeros(n, 1, **like)
-    lt_aug = torch.cat([lt, zcol], 1)
-    dq_map = torch.cat([w.T, -eye], 0)  # (H_M + n, n)
-    m_free = torch.cat([dq_map, dq_map @ lt_aug], 1)
-    c = torch.cat([torch.zeros(n, **like), torch.full((1,), math.sqrt(eps), **like)])
-    b_free = torch.cat([b, b @ lt_aug + c])
-    m_nudge = torch.cat([dq_map, torch.cat([torch.zeros(h, 2 * n, **like), torch.cat([lt, amat], 1)], 0)], 1)
-    b_nudge = torch.cat([b, torch.zeros(2 * n, **like)])
-    caug = torch.cat([-(yc @ lmat), torch.ones(yc.shape[0], 1, **like)], 1)
-    return FoldedFrame(m_free[:h].contiguous(), m_free[h:].contiguous(), b_free, m_nudge[:h].contiguous(), m_nudge[h:].contiguous(), b_nudge, lt_aug, c, -2.0 * yc.T.contiguous(), (yc * yc).sum(1) + eps,
-                       caug, f.bias, f.neg_scale)
+    lt = out.lt[:, :n]
+    lt.copy_(f.rot.T).mul_(sg)  # L^T = R^T diag(sqrt g)
+    out.m_free[:h, :n].copy_(w.T)
+    out.m_free[:h, n:2 * n].copy_(w.T @ lt)
+    out.m_free[h:, n:2 * n].copy_(lt).neg_()
+    out.m_nudge[:h, :n].copy_(w.T)
+    out.m_nudge[h:, n:2 * n].copy_(lt)
+    out.m_nudge[h:, 2 * n:].copy_(lt @ lt.T)  # A = L^T L
+    out.b_free[:n].copy_(b)
+    torch.mv(lt.T, b, out=out.b_free[n:2 * n])
+    out.b_nudge[:n].copy_(b)
+    yc = f.zc * sg  # (K, n) candidates in the Euclidean coordinates
+    torch.mul(yc.T, -2.0, out=out.yc2)
+    torch.sum(yc * yc, dim=1, out=out.cc).add_(out.eps)
+    out.caug[:, :n].copy_(yc @ lt.T).neg_()
+    out.bias.copy_(f.bias)
+    out.neg_scale.copy_(f.neg_scale)
+    return out
 
 
 @dataclass
