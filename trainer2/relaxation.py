@@ -60,7 +60,7 @@ class Relaxation:
         self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.tbptt_window_steps, [0.0], like, self.integ.fixed_point)
         self.ws_nudged = Workspace.allocate(len(betas) * batch, sizes, num_cand, cfg.nudge_steps, betas, like, self.integ.fixed_point)
         self.phases = len(betas)
-        self.fold = FoldedFrame.allocate(sizes[-2], sizes[-1], num_cand, cfg.eps, like)
+        self.fold = FoldedFrame.allocate(sizes[-1], num_cand, cfg.eps, like)
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
         # The nudged equilibria, as views of the stacked workspace: rows [0, B) are +beta, [B, 2B) -beta.
         self.s_plus = [t[:batch] for t in self.ws_nudged.state.s]

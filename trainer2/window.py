@@ -70,64 +70,46 @@ class State:
 
 @dataclass
 class FoldedFrame:
-    """The readout and the top coupling folded into matrices once per batch, for the fixed-point step.
+    """The readout folded into small matrices once per batch, for the fixed-point step.
 
     With L = diag(sqrt g) R, y = q L^T are coordinates in which the metric is Euclidean, A = L^T L and
-    C_k = c_k A the candidates seen from q. h_M @ mh_* + q @ mq_* + b_* gives dq (the step of q without
-    the nudge) and either the velocity's frame [dq L^T | sqrt(eps)] (free) or y and q A (nudged).
-    Allocated once (the constant blocks written then); `fold_frame` refills the rest in place per batch."""
+    C_k = c_k A the candidates seen from q. Nudged: q @ mq_nudge + b_nudge = [b - q | y | qA], and W h_M is
+    then added to the first n columns (dq). Allocated once (the constant blocks written then); `fold_frame`
+    refills the rest in place per batch."""
 
-    m_free: Tensor  # (H_M + n, 2n + 1) [h_M; q] -> [dq | zv]: [[W^T, W^T L^T, 0], [-I, -L^T, 0]]
-    b_free: Tensor  # (2n + 1,) [b | b L^T | sqrt(eps)]
-    m_nudge: Tensor  # (H_M + n, 3n) [h_M; q] -> [dq | y | qA]: [[W^T, 0, 0], [-I, L^T, A]]
+    mq_nudge: Tensor  # (n, 3n) q -> [dq | y | qA]: [-I, L^T, A] (h_M only reaches dq: W h_M is added on its own)
     b_nudge: Tensor  # (3n,) [b | 0 | 0]
     lt: Tensor  # (n, n + 1) [L^T | 0]
-    c: Tensor  # (n + 1,) [0 .. 0, sqrt(eps)]: |dq L^T, sqrt(eps)| = spd
+    c: Tensor  # (n + 1,) [0 .. 0, sqrt(eps)]: |v L^T, sqrt(eps)| = spd of the velocity v
     yc2: Tensor  # (n, K) -2 Yc^T
     cc: Tensor  # (K,) |yc_k|^2 + eps
     caug: Tensor  # (K, n + 1) [-C | 1]: w @ caug = [-w C | sum w]
     bias: Tensor  # (K,) logit bias (0, or -inf for an empty memory slot)
     neg_scale: Tensor  # 0-dim -retrieval_beta * R_sc
-    mh_free: Tensor  # row blocks of m_free and m_nudge (views): h_M's part and q's part
-    mq_free: Tensor
-    mh_nudge: Tensor
-    mq_nudge: Tensor
     eps: float
 
     @staticmethod
-    def allocate(hidden: int, n: int, k: int, eps: float, like: Tensor) -> "FoldedFrame":
+    def allocate(n: int, k: int, eps: float, like: Tensor) -> "FoldedFrame":
         def new(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
-        m_free, m_nudge = new(hidden + n, 2 * n + 1), new(hidden + n, 3 * n)
-        f = FoldedFrame(m_free, new(2 * n + 1), m_nudge, new(3 * n), new(n, n + 1), new(n + 1), new(n, k), new(k), new(k, n + 1), new(k), new(),
-                        m_free[:hidden], m_free[hidden:], m_nudge[:hidden], m_nudge[hidden:], eps)
-        minus_eye = -torch.eye(n, dtype=like.dtype, device=like.device)
-        f.m_free[hidden:, :n] = minus_eye
-        f.m_nudge[hidden:, :n] = minus_eye
-        f.b_free[2 * n] = math.sqrt(eps)
+        f = FoldedFrame(new(n, 3 * n), new(3 * n), new(n, n + 1), new(n + 1), new(n, k), new(k), new(k, n + 1), new(k), new(), eps)
+        f.mq_nudge[:, :n] = -torch.eye(n, dtype=like.dtype, device=like.device)
         f.c[n] = math.sqrt(eps)
         f.caug[:, n] = 1.0
         return f
 
 
 def fold_frame(p: EnergyParams, f: ReadoutFrame, out: FoldedFrame) -> FoldedFrame:
-    """Per batch (outside the window): refill `out` from the top coupling and the readout frame, in place; returns it.
-    Blocks are written by copy_ and in-place ops (torch.compile refuses non-contiguous out= tensors)."""
-    w, b = p.weights[-1], p.biases[-1]  # (n, H_M), (n,)
-    n, h = w.shape
+    """Per batch (outside the window): refill `out` from the top coupling's bias and the readout frame, in place;
+    returns it. Blocks are written by copy_ and in-place ops (torch.compile refuses non-contiguous out= tensors)."""
+    n = f.g.shape[0]
     sg = f.g.sqrt()
     lt = out.lt[:, :n]
     lt.copy_(f.rot.T).mul_(sg)  # L^T = R^T diag(sqrt g)
-    out.m_free[:h, :n].copy_(w.T)
-    out.m_free[:h, n:2 * n].copy_(w.T @ lt)
-    out.m_free[h:, n:2 * n].copy_(lt).neg_()
-    out.m_nudge[:h, :n].copy_(w.T)
-    out.m_nudge[h:, n:2 * n].copy_(lt)
-    out.m_nudge[h:, 2 * n:].copy_(lt @ lt.T)  # A = L^T L
-    out.b_free[:n].copy_(b)
-    torch.mv(lt.T, b, out=out.b_free[n:2 * n])
-    out.b_nudge[:n].copy_(b)
+    out.mq_nudge[:, n:2 * n].copy_(lt)
+    out.mq_nudge[:, 2 * n:].copy_(lt @ lt.T)  # A = L^T L
+    out.b_nudge[:n].copy_(p.biases[-1])
     yc = f.zc * sg  # (K, n) candidates in the Euclidean coordinates
     torch.mul(yc.T, -2.0, out=out.yc2)
     torch.sum(yc * yc, dim=1, out=out.cc).add_(out.eps)
@@ -150,10 +132,9 @@ class Workspace:
     spd_hist: Tensor  # (T, R) spd of every step
     spd_rows: list[Tensor]  # the rows of spd_hist, made once (a step writes one)
     # fixed point
-    out_free: Tensor  # (R, 2n + 1) [dq | zv]
-    out: Tensor  # (R, 3n) [dq | y | qA]
-    dq_free: Tensor  # views of the two
-    zv_free: Tensor
+    q_next: Tensor  # (R, n) the free step's new q (the free window alternates q between this and state.s[-1])
+    vel: Tensor  # (R, n) the free step's velocity q_next - q
+    out: Tensor  # (R, 3n) [dq | y | qA] of a nudged step, and views of its three blocks
     dq: Tensor
     y: Tensor
     qa: Tensor
@@ -181,7 +162,7 @@ class Workspace:
         def new(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
-        out, out_free = new(rows, 3 * n), new(rows, 2 * n + 1)
+        out = new(rows, 3 * n)
         spd_hist = new(steps, rows)
         wc = new(rows, n + 1)
         per = rows // len(betas)
@@ -190,7 +171,7 @@ class Workspace:
             state=State.zeros(rows, sizes, like, momenta=not fixed), drive=new(rows, sizes[0]), target_mask=new(rows, k),
             label_hit=torch.zeros(rows, k, dtype=torch.bool, device=like.device),
             beta_sign=beta_sign, beta_col=new(rows, 1), spd_hist=spd_hist, spd_rows=list(spd_hist.unbind(0)),
-            out_free=out_free, out=out, dq_free=out_free[:, :n], zv_free=out_free[:, n:], dq=out[:, :n], y=out[:, n:2 * n],
+            q_next=new(rows, n), vel=new(rows, n), out=out, dq=out[:, :n], y=out[:, n:2 * n],
             qa=out[:, 2 * n:], temp=[new(rows, h) for h in sizes[:-2]] if fixed else [],
             zv=new(rows, n + 1), ny=new(rows, 1), rspd=new(rows, k), logit=new(rows, k), pi=new(rows, k), w=new(rows, k),
             py=new(rows, 1), wc=wc, nudge=new(rows, n),
@@ -206,17 +187,23 @@ def fixed_point_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame,
                        nudged: bool, integ: Integrator, one_hot: bool) -> None:
     """`steps` fixed-point steps from ws.state (steps start .. start + steps - 1 of the window).
 
-    Per step and hidden layer one addmm (two for a layer with a layer above it) and one clamp; one matmul
-    for q and its velocity; with nudging, the readout's force from the same matmul's y and qA. one_hot:
-    every label has exactly one candidate (no memory bank), so mask * pi / p_y is the mask itself."""
+    Per step and hidden layer one addmm (two for a layer with a layer above it) and one clamp. Free: q' = W h_M + b
+    by one addmm into the other q buffer, then its velocity and spd (6 ops per step with one hidden layer).
+    Nudged: [dq | y | qA] from q, W h_M added to dq, the readout's pull from y and qA. one_hot: every label has
+    exactly one candidate (no memory bank), so mask * pi / p_y is the mask itself."""
     s, w_, b_ = ws.state.s, params.weights, params.biases
     last = len(s) - 1
-    top, q = s[last - 1], s[last]  # h_M is updated in place: only q reads it, and q's step is formed first
+    top = s[last - 1]  # h_M is updated in place: only q reads it, and q's step is formed first
+    q, q_next = s[last], ws.q_next
     for t in range(start, start + steps):
         if nudged:
-            torch.addmm(fold.b_nudge, top, fold.mh_nudge, out=ws.out).addmm_(q, fold.mq_nudge)  # [dq | y | qA]
+            torch.addmm(fold.b_nudge, q, fold.mq_nudge, out=ws.out)  # [b - q | y | qA]
+            ws.dq.addmm_(top, w_[last].T)  # + W h_M into dq alone (y and qA do not see h_M)
         else:
-            torch.addmm(fold.b_free, top, fold.mh_free, out=ws.out_free).addmm_(q, fold.mq_free)  # [dq | zv]
+            torch.addmm(b_[last], top, w_[last].T, out=q_next)  # the minimiser in q: W h_M + b
+            torch.sub(q_next, q, out=ws.vel)
+            torch.addmm(fold.c, ws.vel, fold.lt, out=ws.zv)  # [v L^T | sqrt(eps)]
+            torch.linalg.vector_norm(ws.zv, dim=1, out=ws.spd_rows[t])
         # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q).
         for i, out in enumerate(ws.temp):
             if i == 0:
@@ -239,8 +226,9 @@ def fixed_point_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame,
             torch.addmm(fold.c, ws.dq, fold.lt, out=ws.zv)
             torch.linalg.vector_norm(ws.zv, dim=1, out=ws.spd_rows[t])
         else:
-            q.add_(ws.dq_free)
-            torch.linalg.vector_norm(ws.zv_free, dim=1, out=ws.spd_rows[t])
+            q, q_next = q_next, q  # no copy: the buffers swap roles
+    if q is not s[last]:
+        s[last].copy_(q)  # an odd number of free steps leaves q in the other buffer
 
 
 def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
