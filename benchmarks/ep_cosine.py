@@ -1,10 +1,11 @@
 """Cosine between the trainer's EP update and the true gradient, on real batches, with a preset's own settings.
 
-    python benchmarks/ep_cosine.py --preset dev [--train_windows 500] [--batches 4]
+    python benchmarks/ep_cosine.py --preset dev [--train_windows 500] [--batches 4] [--per_param] [--hidden_sizes 256 256]
 
 The true gradient is autograd through a long (converged) relaxation in float64; the EP estimate is the
 trainer's own gradient source (`Trainer.gradients`, EP) with the preset's window lengths and dtype. Printed per parameter group
-and for all parameters together, at initialisation and after some training.
+and for all parameters together, at initialisation and after some training; with --per_param also per parameter
+(W_1, b_1, ..., W_out, b_out, the readout tensors, emb), which shows the estimate layer by layer in a deep machine.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def to_float64(machine):
     return move_machine(m, torch.device("cpu"))
 
 
-def measure(trainer: Trainer, batches: int, true_steps: int) -> dict[str, float]:
-    """Mean over `batches` training batches of the cosine per group and overall."""
+def measure(trainer: Trainer, batches: int, true_steps: int, per_param: bool = False) -> dict[str, float]:
+    """Mean over `batches` training batches of the cosine per group and overall (and per parameter name)."""
     cfg = trainer.cfg
     sums: dict[str, float] = {}
     for _ in range(batches):
@@ -48,6 +49,8 @@ def measure(trainer: Trainer, batches: int, true_steps: int) -> dict[str, float]
             a.append(g.double().cpu().flatten())
             b.append(ref[n].flatten())
         groups["all"] = ([x for v in groups.values() for x in v[0]], [x for v in groups.values() for x in v[1]])
+        if per_param:
+            groups.update({n: ([g.double().cpu().flatten()], [ref[n].flatten()]) for n, g in est.items()})
         for k, (a, b) in groups.items():
             sums[k] = sums.get(k, 0.0) + cosine(torch.cat(a), torch.cat(b)) / batches
     return sums
@@ -59,19 +62,24 @@ def main() -> None:
     p.add_argument("--train_windows", type=int, default=500, help="windows of training before the second measurement")
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--true_steps", type=int, default=400, help="relaxation steps of the converged reference")
+    p.add_argument("--per_param", action="store_true", help="also print the cosine of every parameter tensor")
+    p.add_argument("--hidden_sizes", type=int, nargs="+", help="override the preset's hidden layers (e.g. 256 256 256)")
     args = p.parse_args()
-    cfg = resolve_config(train_parser().parse_args(["--preset", args.preset, "--device", "cpu", "--run_name", f"ep_cosine_{args.preset}", "--max_windows", str(max(1, args.train_windows)), "--eval_batches", "2"]))
+    hidden = [] if args.hidden_sizes is None else ["--hidden_sizes", *map(str, args.hidden_sizes)]
+    cfg = resolve_config(train_parser().parse_args(["--preset", args.preset, "--device", "cpu", "--run_name", f"ep_cosine_{args.preset}",
+                                                    "--max_windows", str(max(1, args.train_windows)), "--eval_batches", "2", *hidden]))
     trainer = Trainer(cfg, log=lambda *_: None)
-    print(f"preset {args.preset}: T_free={cfg.tbptt_window_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, "
+    print(f"preset {args.preset}, hidden {cfg.hidden_sizes}: T_free={cfg.tbptt_window_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, "
           f"symmetric={cfg.symmetric_nudge}, dtype={cfg.dtype}; reference: {args.true_steps} steps, float64")
-    rows = [("init", measure(trainer, args.batches, args.true_steps))]
+    rows = [("init", measure(trainer, args.batches, args.true_steps, args.per_param))]
     if args.train_windows:
         trainer.train()
-        rows.append((f"after {args.train_windows} windows", measure(trainer, args.batches, args.true_steps)))
+        rows.append((f"after {args.train_windows} windows", measure(trainer, args.batches, args.true_steps, args.per_param)))
     keys = list(rows[0][1])
-    print(f"{'':>22} " + " ".join(f"{k:>9}" for k in keys))
-    for label, vals in rows:
-        print(f"{label:>22} " + " ".join(f"{vals[k]:9.5f}" for k in keys))
+    width = max(9, *map(len, keys))
+    print(f"{'':>{width}} " + " ".join(f"{label:>22}" for label, _ in rows))  # one line per group or parameter
+    for k in keys:
+        print(f"{k:>{width}} " + " ".join(f"{vals[k]:22.5f}" for _, vals in rows))
 
 
 if __name__ == "__main__":

@@ -57,3 +57,14 @@ def test_one_sided_bias_is_linear_and_symmetric_bias_quadratic_in_beta():
     assert 1.6 < one[0] / one[1] < 2.5, one
     assert 3.0 < sym[0] / sym[1] < 5.0, sym
     assert sym[1] < one[1] / 4
+
+
+def test_symmetric_ep_matches_autograd_per_layer_at_depth():
+    """Two and three hidden layers: every W_i, b_i (and the embedding, readout) agrees with autograd's gradient,
+    so the reference's layer naming (W_1.., W_out) follows the machine's at any depth."""
+    for hidden in ([8, 6], [8, 6, 5]):
+        est, ref = ep_and_exact(beta_nudge=1e-2, hidden_sizes=hidden)
+        assert {f"W_{i}" for i in range(1, len(hidden) + 1)} | {"W_out"} <= set(est)
+        for name, g in est.items():
+            assert ref[name].norm() > 0, name
+            assert cosine(g, ref[name]) > 0.999, (hidden, name)

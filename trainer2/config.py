@@ -86,7 +86,9 @@ class TrainConfig(BaseModel):
     r_min: float = Field(0.05, gt=0.0, description="Lower clamp of the resistance R_sc.")
     out_init_scale: float = Field(0.5, gt=0.0, description="W_out starts at this multiple of the 1/sqrt(fan_in) scale.")
     proto_init_scale: float = Field(0.1, gt=0.0, description="Standard deviation of the initial prototypes.")
-    spectral_cap: float = Field(0.7, gt=0.0, lt=1.0, description="Cap on the spectral norm of each coupling between state layers (keeps E convex).")
+    spectral_cap: float = Field(0.7, gt=0.0, lt=1.0, description="Cap kappa on the couplings' part of E's Hessian, so its smallest "
+                                "curvature is >= 1 - kappa at any depth: each coupling between state layers is capped at kappa / (2 cos(pi/(M+2))) "
+                                "for M hidden layers (kappa itself for one).")
     memory_capacity: int = Field(0, ge=0, description="Slots of the memory bank of recent equilibria; 0 = off.")
 
     # --- dynamics ---

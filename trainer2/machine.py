@@ -74,7 +74,9 @@ def build_machine(cfg: TrainConfig, num_classes: int, input_dim: int, text: bool
         protos=torch.randn(num_classes, n, generator=gen, dtype=dtype) * cfg.proto_init_scale,
         r_sc=torch.tensor(cfg.r_init, dtype=dtype),
     )
-    return assemble(emb, energy, readout, rotor_layout(n, cfg.rotor_k, dtype=dtype), num_classes, device)
+    m = assemble(emb, energy, readout, rotor_layout(n, cfg.rotor_k, dtype=dtype), num_classes, device)
+    cap_couplings(m, cfg)  # a deep machine's uniform init is above its per-coupling cap; start convex
+    return m
 
 
 def assemble(emb: Tensor | None, energy: EnergyParams, readout: ReadoutParams, layout: RotorLayout, num_classes: int,
@@ -108,8 +110,28 @@ def couplings(m: Machine) -> list[Tensor]:
     return m.energy.weights[1:]
 
 
+def coupling_cap(cfg: TrainConfig) -> float:
+    """The largest spectral norm each coupling between state layers may have: spectral_cap / (2 cos(pi/(M+2))).
+
+    The couplings form a path over the M+1 state layers, whose adjacency has norm 2 cos(pi/(M+2)), so this
+    keeps the coupling block of E's Hessian at most spectral_cap at any depth (docs/design.md section 1).
+    For one hidden layer the path norm is exactly 1 (written so, the cosine rounds to 1 + 2^-52)."""
+    depth = len(cfg.hidden_sizes)
+    return cfg.spectral_cap / (1.0 if depth == 1 else 2 * math.cos(math.pi / (depth + 2)))
+
+
+def cap_couplings(m: Machine, cfg: TrainConfig) -> None:
+    """Scale every coupling whose exact spectral norm exceeds coupling_cap down to it (at build, once; SVD)."""
+    cap = coupling_cap(cfg)
+    for w in couplings(m):
+        norm = float(torch.linalg.matrix_norm(w, ord=2))
+        if norm > cap:
+            w.mul_(cap / norm)
+
+
 def project_constraints(m: Machine, cfg: TrainConfig, power_vecs: list[Tensor]) -> None:
-    """After every update: clamp g_diag and R_sc, wrap angles to [-pi, pi), cap each coupling's spectral norm.
+    """After every update: clamp g_diag and R_sc, wrap angles to [-pi, pi), cap each coupling's spectral norm
+    at coupling_cap(cfg), which keeps E's smallest curvature >= 1 - spectral_cap at any depth.
 
     The cap uses two power-iteration steps with a persistent vector per coupling (power_vecs[i] is
     (H_out,)), all on the device with no host sync.
@@ -118,9 +140,12 @@ def project_constraints(m: Machine, cfg: TrainConfig, power_vecs: list[Tensor]) 
     r.g_diag.clamp_(cfg.g_min, cfg.g_max)
     r.r_sc.clamp_(min=cfg.r_min)
     r.theta.add_(math.pi).remainder_(2 * math.pi).sub_(math.pi)
+    cap = coupling_cap(cfg)
     for w, u in zip(couplings(m), power_vecs):
         for _ in range(2):
-            v = torch.nn.functional.normalize(u @ w, dim=0)
-            u.copy_(torch.nn.functional.normalize(w @ v, dim=0))
-        sigma = u @ (w @ v)
-        w.mul_(torch.clamp(cfg.spectral_cap / sigma.abs().clamp_min(1e-12), max=1.0))
+            v = torch.mv(w.T, u)
+            v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
+            torch.mv(w, v, out=u)
+            sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)  # |W v| = u'^T W v for u' = W v / |W v|
+            u.div_(sigma)
+        w.mul_(torch.div(cap, sigma).clamp_(max=1.0))
