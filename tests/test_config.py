@@ -288,3 +288,21 @@ def test_print_config_with_resume_shows_the_checkpoint_layer(tmp_path, small_tex
     assert comments["max_windows"] == comments["run_name"] == "command line"
     assert yaml.safe_load(out)["max_windows"] == 5
     assert sorted(p for p in ck_dir.rglob("*")) == files  # nothing written
+
+
+def test_cpu_threads_are_set_where_the_device_is_resolved():
+    import torch
+
+    from trainer2.evaluation import resolve_device
+
+    before = torch.get_num_threads()
+    try:
+        assert resolve_device(TrainConfig(device="cpu")).type == "cpu" and torch.get_num_threads() == 1  # the default
+        resolve_device(TrainConfig(device="cpu", cpu_threads=2))
+        assert torch.get_num_threads() == 2
+        resolve_device(TrainConfig(device="cpu", cpu_threads=0))  # 0 leaves the count as it is
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="cpu_threads"):
+        build_config([("command line", {"cpu_threads": -1})])

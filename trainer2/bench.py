@@ -262,7 +262,7 @@ def run(argv: list[str]) -> tuple[list[Row], str]:
     sizes = args.batch_sizes or sorted({8, cfg.batch_size})
     if any(b < 1 for b in sizes):
         raise ConfigError(f"--batch_sizes must be >= 1, got {sizes}")
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg)
     data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
     torch._dynamo.reset()
     rows = []

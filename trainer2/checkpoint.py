@@ -37,7 +37,7 @@ STEP_RE = re.compile(r"step_(\d{8,})")
 # Fields that only steer the run; they may change on resume. Every other field defines the model,
 # the data or the learning rule and must match the checkpoint (a new field is fixed until listed here).
 RESUME_FREE_FIELDS = frozenset({
-    "run_name", "device", "checkpoint_dir",
+    "run_name", "device", "cpu_threads", "checkpoint_dir",
     "static_shapes", "capture_batch_size", "use_cudagraphs", "warmup_steps", "use_torch_compile",
     "cudnn_benchmark", "cudnn_deterministic", "allow_tf32",
     "max_windows", "max_epochs", "log_every_windows", "eval_every_windows", "eval_batches",

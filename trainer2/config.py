@@ -66,6 +66,9 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, ge=-(2**63), lt=2**64, description="Seed for initialisation and the data sampler (what torch.manual_seed takes).")
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     dtype: Literal["float32", "float64"] = Field("float32", description="Floating-point type of every tensor.")
+    cpu_threads: int = Field(1, ge=0, le=1024, description="Threads for CPU math per process (torch.set_num_threads); 0 = torch's "
+                             "default (OMP_NUM_THREADS, else every core). 1 by default: the matrices are small, so a second "
+                             "thread gains little on an idle machine and stalls the run when another process is busy.")
     checkpoint_dir: str = Field("checkpoints", description="Directory holding one folder per run.")
 
     # --- data ---

@@ -137,7 +137,7 @@ def init_distributed(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> 
     d = Distributed.from_env(os.environ if env is None else env, cfg.dist_timeout_seconds)
     if not d.launched:
         return d
-    device = d.place(resolve_device(cfg.device), cfg.device)
+    device = d.place(resolve_device(cfg), cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=d.rank, world_size=d.world_size,

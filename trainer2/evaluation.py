@@ -26,8 +26,12 @@ from trainer2.relaxation import Relaxation
 EVAL_BATCH = 512  # held-out examples per scoring batch
 
 
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> CUDA when present, else CPU; an explicit CUDA device without CUDA is an error."""
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    """The device a run computes on: 'auto' -> CUDA when present, else CPU; an explicit CUDA device without CUDA is
+    an error. Also sets this process's CPU math threads (cfg.cpu_threads; 0 leaves torch's default)."""
+    if cfg.cpu_threads > 0:
+        torch.set_num_threads(cfg.cpu_threads)
+    name = cfg.device
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -111,7 +115,7 @@ def load_trained(path: str | Path, overrides: dict[str, Any] | None = None, log:
     except ConfigError as e:
         raise CheckpointError(f"{path}: its config cannot be used: {e}") from None
     check_config(meta["config"], cfg, path)
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg)
     data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
     check_data(meta["data"], data_fingerprint(data), path)
     machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device)

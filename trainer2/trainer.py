@@ -69,7 +69,7 @@ class Trainer:
         if self.dist.world_size > 1 and cfg.memory_capacity:
             raise ConfigError("memory_capacity: the memory bank is per process and would differ between ranks; "
                               "multi-process runs need --memory_capacity 0")
-        self.device = self.dist.place(resolve_device(cfg.device), cfg.device)
+        self.device = self.dist.place(resolve_device(cfg), cfg.device)
         graphs = cfg.use_cudagraphs and self.device.type == "cuda"  # without CUDA the StepRunner warns once
         torch.manual_seed(cfg.seed)  # the global RNGs too, so anything drawing from them repeats (and is checkpointed)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
