@@ -60,6 +60,7 @@ class Relaxation:
         self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.tbptt_window_steps, [0.0], like, self.integ.fixed_point)
         self.ws_nudged = Workspace.allocate(len(betas) * batch, sizes, num_cand, cfg.nudge_steps, betas, like, self.integ.fixed_point)
         self.phases = len(betas)
+        self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
         self.fold = FoldedFrame.allocate(sizes[-1], num_cand, cfg.eps, like)
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
         # The nudged equilibria, as views of the stacked workspace: rows [0, B) are +beta, [B, 2B) -beta.
@@ -76,8 +77,7 @@ class Relaxation:
         return self.ws.drive.device
 
     def candidates(self) -> Candidates:
-        protos = self.m.prototype_candidates()
-        return protos if self.memory is None else self.memory.candidates(protos)
+        return self.protos if self.memory is None else self.memory.candidates(self.protos)
 
     def free_phase(self, inputs: Tensor, targets: Tensor) -> FreeState:
         """Clamp the input, relax T_free steps from rest; leaves s0 in self.s0 and the window's spd in ws.spd_hist."""

@@ -67,19 +67,20 @@ def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor, deca
         grad.addcmul_(decay, param)
     grad.mul_(ok)
     mu = cfg.momentum
-    st.bufs.mul_(1.0 + ok * (mu - 1.0))  # decay by momentum, or keep when dropped
     if cfg.update_rule == "momentum":
-        st.bufs.add_(grad)
+        st.bufs.mul_(1.0 + ok * (mu - 1.0)).add_(grad)  # decay by momentum, or keep when dropped (grad is 0 then)
         torch.mul(st.bufs, mult, out=step)
+        step.mul_(st.lr * ok)
     else:
         b2 = cfg.adam_beta2
         st.count.add_(ok)
-        st.bufs.add_(grad, alpha=1.0 - mu)
+        st.bufs.lerp_(grad, ok * (1.0 - mu))  # mu * buf + (1 - mu) * grad, or buf itself when dropped
         st.sq.mul_(1.0 + ok * (b2 - 1.0)).addcmul_(grad, grad, value=1.0 - b2)
         t = st.count.clamp(min=1.0)
-        torch.div(st.sq, 1.0 - b2**t, out=step).sqrt_().add_(cfg.adam_eps)  # the denominator, formed in step
-        torch.div(st.bufs, step, out=step).mul_(mult).div_(1.0 - mu**t)
-    step.mul_(st.lr * ok)
+        root_bc2 = torch.sqrt(1.0 - b2**t)
+        # lr * mult * (buf / bc1) / (sqrt(sq / bc2) + eps), with the bias corrections moved onto scalars
+        torch.sqrt(st.sq, out=step).add_(root_bc2 * cfg.adam_eps)
+        torch.div(st.bufs, step, out=step).mul_(mult).mul_(st.lr * ok * root_bc2 / (1.0 - mu**t))
     param.sub_(step)
     st.dropped.add_(1.0 - ok)
     return ok

@@ -140,7 +140,7 @@ class Workspace:
     qa: Tensor
     temp: list[Tensor]  # (R, H_i) new lower hidden layers h_1..h_{M-1} (Jacobi); empty for one hidden layer
     zv: Tensor  # (R, n + 1)
-    ny: Tensor  # (R, 1) |y|
+    ny: Tensor  # (R, 1) |y|, then |y|^2
     rspd: Tensor  # (R, K) 1 / spd(q - c_k)
     logit: Tensor  # (R, K)
     pi: Tensor  # (R, K)
@@ -236,8 +236,8 @@ def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
     from ws.y and ws.qa; w_k = (mask_k pi_k / p_y - pi_k) / spd_k."""
     rspd = ws.rspd
     torch.addmm(fold.cc, ws.y, fold.yc2, out=rspd)  # |yc|^2 + eps - 2 y.yc
-    torch.linalg.vector_norm(ws.y, dim=1, keepdim=True, out=ws.ny)
-    rspd.addcmul_(ws.ny, ws.ny).clamp_(min=0.0).rsqrt_()  # 1 / spd(q - c_k); the clamp guards rounding
+    torch.linalg.vector_norm(ws.y, dim=1, keepdim=True, out=ws.ny).square_()  # (a broadcast addcmul_ is 4x slower)
+    rspd.add_(ws.ny).clamp_(min=0.0).rsqrt_()  # 1 / spd(q - c_k); the clamp guards rounding
     torch.addcdiv(fold.bias, fold.neg_scale, rspd, out=ws.logit)  # bias - beta_r R_sc spd
     torch.ops.aten._softmax.out(ws.logit, 1, False, out=ws.pi)
     if one_hot:
