@@ -64,6 +64,8 @@ def test_readout_gradients_match_autograd(with_bank, k):
     sc = ReadoutScratch.allocate(B, n, V + nb, q)
     grad_q = readout_force(q, frame, mask, sc, torch.empty_like(q))
     res = readout_loss_and_grads(q, frame, cand, mask, V, layout, sc)
+    if not with_bank:  # prototypes only, in label order: the one-hot shortcut gives the same probabilities
+        assert torch.equal(readout_loss_and_grads(q, frame, cand, mask, V, layout, sc, one_hot=True).probs, res.probs)
 
     leaves = [t.clone().requires_grad_(True) for t in (q, g, theta, protos, r_sc)]
     loss = reference_loss(*leaves[:1], y, *leaves[1:], bank, bank_labels, bank_bias, layout, 2.0, 1e-6)

@@ -144,7 +144,8 @@ class Relaxation:
 
     def readout_grads(self, free: FreeState) -> ReadoutResult:
         """Loss, probabilities and the readout's exact gradients (batch means) at s0."""
-        return readout_loss_and_grads(self.s0.s[-1], free.frame, free.cand, self.ws.target_mask, self.m.num_classes, self.m.layout, self.ws.readout)
+        return readout_loss_and_grads(self.s0.s[-1], free.frame, free.cand, self.ws.target_mask, self.m.num_classes, self.m.layout, self.ws.readout,
+                                      self.one_hot)
 
     @torch.no_grad()
     def score(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
