@@ -41,7 +41,7 @@ def train_parser() -> argparse.ArgumentParser:
         epilog="Layers, lowest first: field defaults < --preset < --config < flags. "
         "Other commands: trainer2 evaluate|sample|bench|plot --help",
     )
-    p.add_argument("--preset", help="Preset name (dev, production, profiling; shipped in the package) or a YAML path.")
+    p.add_argument("--preset", help="Preset name (dev, production, deep, profiling; shipped in the package) or a YAML path.")
     p.add_argument("--config", help="YAML file of config fields, applied over the preset.")
     p.add_argument("--resume", metavar="latest|PATH", help="Continue from a run's newest checkpoint ('latest': of --run_name, "
                    "or of the run saved most recently) or a step_<N>/ directory, in its own run unless --run_name says "
