@@ -202,6 +202,18 @@ def target_mask(labels: Tensor, targets: Tensor, dtype: torch.dtype) -> Tensor:
     return (targets[:, None] == labels[None, :]).to(dtype)
 
 
+def readout_scores(q: Tensor, f: ReadoutFrame, cand: Candidates, target_mask: Tensor, num_classes: int, sc: ReadoutScratch,
+                   one_hot: bool = False) -> tuple[Tensor, Tensor]:
+    """Per-example loss (B,) in nats and class probabilities (B, V) at q (B, n), filling the scratch sc. one_hot: the
+    candidates are the V prototypes in label order, so the probabilities are the softmax weights themselves."""
+    readout_weights(q, f, target_mask, sc)
+    loss = torch.log(sc.py.squeeze(1)).neg_()
+    if one_hot:
+        return loss, sc.pi.clone()  # sc is overwritten by the next readout
+    # p_v sums the weights of every candidate labelled v
+    return loss, torch.zeros(q.shape[0], num_classes, dtype=q.dtype, device=q.device).index_add_(1, cand.labels, sc.pi)
+
+
 @dataclass
 class ReadoutResult:
     """Per-example loss (B,) in nats, class probabilities (B, V) and the readout gradients (batch means)."""
@@ -214,19 +226,14 @@ class ReadoutResult:
 def readout_loss_and_grads(q: Tensor, f: ReadoutFrame, cand: Candidates, target_mask: Tensor, num_classes: int,
                            layout: RotorLayout, sc: ReadoutScratch, one_hot: bool = False) -> ReadoutResult:
     """Exact loss and analytic gradients of the batch-mean loss w.r.t. every readout parameter at q (B, n), using
-    (and overwriting) the scratch sc. target_mask (B, K) is 1 where candidate k carries the example's label.
+    (and overwriting) the scratch sc. target_mask (B, K) is 1 where candidate k carries the example's label;
+    one_hot as in `readout_scores`.
 
     With z_bk = zq_b - zc_k and w_bk = dloss/dcost_bk / spd_bk: dloss/dz_bk = R_sc w_bk g z_bk, so everything
     follows from U = sum_k w_bk z_bk (B, n), V = -sum_b w_bk z_bk (K, n) and cov = sum_bk w_bk z_bk z_bk^T (n, n).
-    Only the first V candidates are prototypes (parameters); the rest (memory bank) are data. one_hot: the candidates
-    are the V prototypes in label order, so the class probabilities are the softmax weights themselves.
+    Only the first V candidates are prototypes (parameters); the rest (memory bank) are data.
     """
-    readout_weights(q, f, target_mask, sc)
-    loss = torch.log(sc.py.squeeze(1)).neg_()
-    if one_hot:
-        probs = sc.pi.clone()  # sc is overwritten by the next readout
-    else:
-        probs = torch.zeros(q.shape[0], num_classes, dtype=q.dtype, device=q.device).index_add_(1, cand.labels, sc.pi)
+    loss, probs = readout_scores(q, f, cand, target_mask, num_classes, sc, one_hot)
     zq, w = sc.zq, sc.w.div_(q.shape[0])  # batch mean from here on
     u = torch.mul(zq, w.sum(1, keepdim=True)).sub_(w @ f.zc)
     v = torch.mul(f.zc, w.sum(0)[:, None]).sub_(w.T @ zq)

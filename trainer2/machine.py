@@ -85,10 +85,7 @@ def assemble(emb: Tensor | None, energy: EnergyParams, readout: ReadoutParams, l
     loose = Machine(emb, energy, readout, layout, num_classes, torch.empty(0))
     named = loose.named_params()
     flat = torch.cat([t.detach().reshape(-1) for t in named.values()]).to(device)
-    views, at = {}, 0
-    for name, t in named.items():
-        views[name] = flat[at:at + t.numel()].view(t.shape)
-        at += t.numel()
+    views = split_flat(flat, {name: t.shape for name, t in named.items()})
     r = {k: views[k] for k in ("g_diag", "theta", "protos", "r_sc")}
     return Machine(
         views.get("emb"),
@@ -98,6 +95,16 @@ def assemble(emb: Tensor | None, energy: EnergyParams, readout: ReadoutParams, l
         num_classes,
         flat,
     )
+
+
+def split_flat(buf: Tensor, shapes: dict[str, torch.Size]) -> dict[str, Tensor]:
+    """A flat (P,) buffer seen as consecutive views, one per name, with the given shapes (in order)."""
+    views, at = {}, 0
+    for name, shape in shapes.items():
+        size = math.prod(shape)
+        views[name] = buf[at:at + size].view(shape)
+        at += size
+    return views
 
 
 def move_machine(m: Machine, device: torch.device) -> Machine:

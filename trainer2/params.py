@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
-from trainer2.machine import Machine
+from trainer2.machine import Machine, split_flat
 
 GROUPS = ("energy", "readout", "embed")
 
@@ -26,14 +26,12 @@ def param_group(name: str) -> str:
 
 @dataclass(frozen=True)
 class ParamTable:
-    """Parallel lists in `Machine.named_params()` order: name, live tensor (a view of the flat buffer), group, lr
-    multiplier, L2 decay; and the same spelled out per element of the flat buffer, for the whole-buffer update."""
+    """Parallel lists in `Machine.named_params()` order: name, live tensor (a view of the flat buffer), group; and
+    each element's lr multiplier and L2 decay over the flat buffer, for the whole-buffer update."""
 
     names: tuple[str, ...]
     tensors: tuple[Tensor, ...]
     groups: tuple[str, ...]
-    mults: tuple[float, ...]
-    decay: tuple[float, ...]
     flat: Tensor  # (P,) the machine's parameters
     mult: Tensor  # (P,) each element's lr multiplier
     decay_flat: Tensor | None  # (P,) each element's decay; None when nothing decays
@@ -58,8 +56,7 @@ class ParamTable:
             spans[g] = slice(spans[g].start if g in spans else at, at + k)
             at += k
         return ParamTable(
-            names=tuple(named), tensors=tuple(named.values()), groups=groups, mults=mults, decay=decay,
-            flat=flat, mult=per_element(mults), decay_flat=per_element(decay) if any(decay) else None, spans=spans,
+            names=tuple(named), tensors=tuple(named.values()), groups=groups, flat=flat, mult=per_element(mults), decay_flat=per_element(decay) if any(decay) else None, spans=spans,
         )
 
     def ordered(self, grads: dict[str, Tensor]) -> list[Tensor]:
@@ -70,8 +67,4 @@ class ParamTable:
 
     def views(self, buf: Tensor) -> dict[str, Tensor]:
         """A flat (P,) buffer (gradient, momentum, ...) seen per parameter, by name, with each parameter's shape."""
-        out, at = {}, 0
-        for n, t in zip(self.names, self.tensors, strict=True):
-            out[n] = buf[at:at + t.numel()].view(t.shape)
-            at += t.numel()
-        return out
+        return split_flat(buf, {n: t.shape for n, t in zip(self.names, self.tensors, strict=True)})

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from trainer2.config import TrainConfig
 from trainer2.energy import input_drive
-from trainer2.geometry import Candidates, ReadoutFrame, ReadoutResult, readout_frame, readout_loss_and_grads, readout_weights
+from trainer2.geometry import Candidates, ReadoutFrame, ReadoutResult, readout_frame, readout_loss_and_grads, readout_scores
 from trainer2.machine import Machine
 from trainer2.memory import MemoryBank
 from trainer2.window import FoldedFrame, Integrator, State, Workspace, fold_frame, set_nudge_scale, window_function
@@ -136,11 +136,8 @@ class Relaxation:
 
     def readout_scores(self, free: FreeState) -> tuple[Tensor, Tensor]:
         """Per-example loss (B,) in nats and class probabilities (B, V) at s0, without any gradient."""
-        sc = self.ws.readout
-        readout_weights(self.s0.s[-1], free.frame, self.ws.target_mask, sc)
-        probs = torch.zeros(self.batch, self.m.num_classes, dtype=sc.pi.dtype, device=sc.pi.device)
-        probs.index_add_(1, free.cand.labels, sc.pi)  # p_v sums the weights of every candidate labelled v
-        return -torch.log(sc.py.squeeze(1)), probs
+        return readout_scores(self.s0.s[-1], free.frame, free.cand, self.ws.target_mask, self.m.num_classes, self.ws.readout,
+                              self.one_hot)
 
     def readout_grads(self, free: FreeState) -> ReadoutResult:
         """Loss, probabilities and the readout's exact gradients (batch means) at s0."""
