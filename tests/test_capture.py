@@ -138,8 +138,10 @@ def test_compiled_step_equals_eager():
 @pytest.mark.skipif(not CUDA and not os.environ.get("TRAINER2_SLOW_TESTS"),
                     reason="inductor spends minutes compiling C++ kernels on CPU; set TRAINER2_SLOW_TESTS=1 to run")
 def test_inductor_compiled_step_equals_eager_or_falls_back_with_its_message():
+    """In float64: in float32, fused kernels sum in another order, and Adam turns that rounding into visible steps
+    wherever a gradient is mathematically near zero (1e-4 relative seen on an H100), which says nothing of the math."""
     device = "cuda" if CUDA else "cpu"
-    eager, compiled = fresh_step(device, dtype="float32"), fresh_step(device, dtype="float32")
+    eager, compiled = fresh_step(device, dtype="float64"), fresh_step(device, dtype="float64")
     data = batches(eager.relax.cfg, 3)
     logs: list[str] = []
     runner = StepRunner(compiled, compile=True, log=logs.append)
@@ -149,7 +151,7 @@ def test_inductor_compiled_step_equals_eager_or_falls_back_with_its_message():
         assert len(logs) == 1 and "torch.compile of the batch step failed" in logs[0] and runner.mode == "eager"
     else:
         assert runner.mode == "compile"
-    assert_same_state(eager, compiled, rtol=1e-4, atol=1e-5)
+    assert_same_state(eager, compiled, rtol=1e-9, atol=1e-12)
 
 
 def test_static_batch_refuses_a_batch_of_another_shape():
@@ -195,7 +197,8 @@ def test_bench_times_every_mode_in_one_run(small_text):
 
 @needs_cuda
 def test_graph_replay_equals_eager_on_cuda():
-    """Warm-up, capture, replays fed from host (pinned) batches, lr changing between them; then a recapture."""
+    """Warm-up, capture, replays fed from host (pinned) batches, lr changing between them; then a recapture. Bitwise:
+    a replay launches the kernels the eager step launched (seen on an H100: equal after 200 windows)."""
     eager, graphed = fresh_step("cuda", dtype="float32"), fresh_step("cuda", dtype="float32")
     data = batches(eager.relax.cfg, 10)
     logs: list[str] = []
@@ -207,7 +210,7 @@ def test_graph_replay_equals_eager_on_cuda():
     run(runner.step, graphed, data[6:], first=6)
     torch.cuda.synchronize()
     assert logs == [] and runner.mode == "graph" and first is not None and runner.graph not in (None, first)
-    assert_same_state(eager, graphed, rtol=1e-4, atol=1e-5)
+    assert_same_state(eager, graphed)
 
 
 @needs_cuda
@@ -251,7 +254,8 @@ def test_failed_capture_says_so_once_and_runs_eagerly():
 
 @needs_cuda
 def test_compiled_step_captured_as_a_graph_equals_eager_on_cuda():
-    eager, both = fresh_step("cuda", dtype="float32"), fresh_step("cuda", dtype="float32")
+    """In float64, for the reason the inductor test gives."""
+    eager, both = fresh_step("cuda", dtype="float64"), fresh_step("cuda", dtype="float64")
     data = [(x.cuda(), y.cuda()) for x, y in batches(eager.relax.cfg, 6)]
     logs: list[str] = []
     runner = StepRunner(both, graphs=True, compile=True, warmup_steps=2, log=logs.append)
@@ -259,4 +263,4 @@ def test_compiled_step_captured_as_a_graph_equals_eager_on_cuda():
     run(runner.step, both, data, "cuda")
     torch.cuda.synchronize()
     assert logs == [] and runner.mode == "compile+graph" and runner.graph is not None
-    assert_same_state(eager, both, rtol=1e-4, atol=1e-5)
+    assert_same_state(eager, both, rtol=1e-9, atol=1e-12)

@@ -56,7 +56,9 @@ def installed(tmp_path_factory) -> Path:
 
 
 def run_in(cwd: Path, site: Path, *argv: str | Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}
+    # the installed package first; any PYTHONPATH already set stays after it (dependencies may live there)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     return subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -35,8 +35,9 @@ HELDOUT_KEYS = {"heldout_loss", "heldout_bpc", "heldout_acc"}
 
 
 def run_flags(data: Path, ck: Path, **over) -> dict:
-    """A tiny, fast text run (float64 not needed: these tests check records, not numerics)."""
-    flags = dict(data=str(data), checkpoint_dir=str(ck), run_name="t", hidden_sizes=[8], coord_dim_n=4, rotor_k=3,
+    """A tiny, fast text run on the CPU, also where a GPU is present (float64 not needed: these tests check records,
+    not numerics)."""
+    flags = dict(data=str(data), checkpoint_dir=str(ck), run_name="t", device="cpu", hidden_sizes=[8], coord_dim_n=4, rotor_k=3,
                  context_len=3, embed_dim=3, batch_size=8, tbptt_window_steps=6, nudge_steps=3, max_windows=6,
                  log_every_windows=2, eval_every_windows=4, eval_batches=1)
     flags.update(over)

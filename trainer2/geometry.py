@@ -210,8 +210,10 @@ def readout_scores(q: Tensor, f: ReadoutFrame, cand: Candidates, target_mask: Te
     loss = torch.log(sc.py.squeeze(1)).neg_()
     if one_hot:
         return loss, sc.pi.clone()  # sc is overwritten by the next readout
-    # p_v sums the weights of every candidate labelled v
-    return loss, torch.zeros(q.shape[0], num_classes, dtype=q.dtype, device=q.device).index_add_(1, cand.labels, sc.pi)
+    # p_v sums the weights of every candidate labelled v: a product with the (K, V) label indicator, which adds in a
+    # fixed order on CUDA too (index_add_'s atomics would not, and sampling with a fixed seed would drift)
+    labelled = cand.labels[:, None] == torch.arange(num_classes, device=q.device)
+    return loss, torch.mm(sc.pi, labelled.to(q.dtype))
 
 
 @dataclass

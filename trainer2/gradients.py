@@ -48,5 +48,9 @@ def ep_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResu
         grads = {**m.energy_names(gw, gb), "g_diag": res.grads.g_diag, "theta": res.grads.theta,
                  "protos": res.grads.protos, "r_sc": res.grads.r_sc}
         if m.emb is not None:
-            grads["emb"] = torch.zeros_like(m.emb).index_add_(0, inputs.flatten(), gx.reshape(-1, m.emb.shape[1]))
+            # Row v sums gx over the positions holding character v. aten's embedding gradient kernel does this sum (no
+            # autograd involved): index_add_ on CPU, and on CUDA a sorted segment sum where index_add_'s atomics would
+            # add in a varying order and break bitwise resume.
+            grads["emb"] = torch.ops.aten.embedding_dense_backward(gx.reshape(-1, m.emb.shape[1]), inputs.flatten(),
+                                                                   m.emb.shape[0], -1, False)
         return StepResult(grads, res.loss, res.probs, WindowStats(**stats, lior_nudge=relax.nudged_lior()))
