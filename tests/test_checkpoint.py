@@ -46,9 +46,9 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 def strip_wall(rows: list[dict]) -> list[dict]:
     """History rows without the wall-clock figures, which differ between any two runs, and the CUDA allocator's
-    (mem_*), which depend on what the process allocated before (a resumed process starts afresh)."""
-    clock = ("wall_seconds", "windows_per_second")
-    return [{k: v for k, v in r.items() if k not in clock and not k.startswith(("time_", "mem_"))} for r in rows]
+    (mem_*, cache_cleanups), which belong to the process (a resumed process starts afresh)."""
+    process = ("wall_seconds", "windows_per_second", "cache_cleanups")
+    return [{k: v for k, v in r.items() if k not in process and not k.startswith(("time_", "mem_"))} for r in rows]
 
 
 def assert_same_checkpoint(a: Path, b: Path) -> None:
