@@ -71,14 +71,14 @@ def test_symmetric_ep_matches_autograd_per_layer_at_depth():
 
 
 def test_embedding_grad_sums_rows_by_id_on_every_device():
-    """Row v of the embedding gradient is the sum of gx over the positions holding v; the CUDA branch's kernel gives
-    the same sums (checked here on the CPU too), and on CUDA two calls agree bitwise (no atomics)."""
+    """Row v of the embedding gradient is the sum of gx over the positions holding v (both sizes of aten's CUDA kernel:
+    it sorts above 3,072 ids); on CUDA, repeated calls agree bitwise (no atomics)."""
     gen = torch.Generator().manual_seed(3)
-    ids, gx = torch.randint(0, 7, (300,), generator=gen), torch.randn(300, 5, generator=gen, dtype=torch.float64)
-    want = (ids[:, None] == torch.arange(9)).to(gx.dtype).T @ gx  # rows 7, 8: never used, zero
-    torch.testing.assert_close(embedding_grad(gx, ids, 9), want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(torch.ops.aten.embedding_dense_backward(gx, ids, 9, -1, False), want, rtol=1e-12, atol=1e-12)
-    if torch.cuda.is_available():
-        a, b = embedding_grad(gx.float().cuda(), ids.cuda(), 9), embedding_grad(gx.float().cuda(), ids.cuda(), 9)
-        assert torch.equal(a, b)
-        torch.testing.assert_close(a.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    for n in (300, 5000):
+        ids, gx = torch.randint(0, 7, (n,), generator=gen), torch.randn(n, 5, generator=gen, dtype=torch.float64)
+        want = (ids[:, None] == torch.arange(9)).to(gx.dtype).T @ gx  # rows 7, 8: never used, zero
+        torch.testing.assert_close(embedding_grad(gx, ids, 9), want, rtol=1e-12, atol=1e-12)
+        if torch.cuda.is_available():
+            first = embedding_grad(gx.float().cuda(), ids.cuda(), 9)
+            assert all(torch.equal(embedding_grad(gx.float().cuda(), ids.cuda(), 9), first) for _ in range(10))
+            torch.testing.assert_close(first.cpu().double(), want, rtol=1e-4, atol=1e-4)

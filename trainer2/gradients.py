@@ -36,7 +36,8 @@ class GradientSource(Protocol):
 def embedding_grad(gx: Tensor, ids: Tensor, rows: int) -> Tensor:
     """(rows, E): row v sums the rows of gx (N, E) at the positions where ids (N,) is v, in a fixed order. On the CPU
     index_add_ (sequential); on CUDA its atomics would add in a varying order and break bitwise resume, so there
-    aten's embedding-gradient kernel (a sorted segment sum; no autograd involved), which is 3x slower on the CPU."""
+    aten's embedding-gradient kernel, which adds in a fixed order (a plain kernel, no autograd; 3x slower on the
+    CPU). torch.compile's inductor rewrites that kernel into atomic adds again: compiled CUDA runs are not bitwise."""
     if gx.is_cuda:
         return torch.ops.aten.embedding_dense_backward(gx, ids, rows, -1, False)
     return gx.new_zeros(rows, gx.shape[1]).index_add_(0, ids, gx)
