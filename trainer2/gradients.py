@@ -35,11 +35,11 @@ class GradientSource(Protocol):
 
 def embedding_grad(gx: Tensor, ids: Tensor, rows: int) -> Tensor:
     """(rows, E): row v sums the rows of gx (N, E) at the positions where ids (N,) is v, in a fixed order. On the CPU
-    index_add_ (sequential); on CUDA its atomics would add in a varying order and break bitwise resume, so there
-    aten's embedding-gradient kernel, which adds in a fixed order (a plain kernel, no autograd; 3x slower on the
-    CPU). torch.compile's inductor rewrites that kernel into atomic adds again: compiled CUDA runs are not bitwise."""
+    index_add_ (sequential). On CUDA index_add_'s atomics, and aten's embedding-gradient kernel above 3,072 ids (seen
+    on an H100), add in a varying order and would break bitwise resume, so there it is a product with the (rows, N)
+    indicator of ids, which also stays a product under torch.compile."""
     if gx.is_cuda:
-        return torch.ops.aten.embedding_dense_backward(gx, ids, rows, -1, False)
+        return torch.mm((ids[None, :] == torch.arange(rows, device=ids.device)[:, None]).to(gx.dtype), gx)
     return gx.new_zeros(rows, gx.shape[1]).index_add_(0, ids, gx)
 
 
