@@ -89,7 +89,7 @@ def rotor_angle_grad(d_rot: Tensor, layers: Tensor, layout: RotorLayout) -> Tens
     num = layers.shape[0]
     if num == 0:
         return d_rot.new_zeros(0)
-    eye = torch.eye(layout.n, dtype=d_rot.dtype, device=d_rot.device)
+    eye = layout.eye[: layout.n ** 2].view(layout.n, layout.n).to(d_rot.dtype)  # the first of the stacked identities
     prefix, suffix = [eye], [eye]  # Q_0 .. Q_{L-1}; P_{L-1} .. P_0
     for i in range(1, num):
         prefix.append(layers[0] if i == 1 else layers[i - 1] @ prefix[-1])
@@ -197,9 +197,15 @@ def readout_force(q: Tensor, f: ReadoutFrame, target_mask: Tensor, sc: ReadoutSc
     return torch.mm(sc.tmp, f.rot, out=out)
 
 
+def indicator(rows: Tensor, cols: Tensor, dtype: torch.dtype) -> Tensor:
+    """(R, C) 1 where rows[r] == cols[c], else 0, for ids rows (R,) and cols (C,); no host read (capturable). A product
+    with it sums by id in a fixed order, where index_add_'s CUDA atomics would not."""
+    return (rows[:, None] == cols[None, :]).to(dtype)
+
+
 def target_mask(labels: Tensor, targets: Tensor, dtype: torch.dtype) -> Tensor:
-    """(B, K) 1 where candidate k (labels (K,)) carries example b's label (targets (B,)); no host read (capturable)."""
-    return (targets[:, None] == labels[None, :]).to(dtype)
+    """(B, K) 1 where candidate k (labels (K,)) carries example b's label (targets (B,))."""
+    return indicator(targets, labels, dtype)
 
 
 def readout_scores(q: Tensor, f: ReadoutFrame, cand: Candidates, target_mask: Tensor, num_classes: int, sc: ReadoutScratch,
@@ -210,10 +216,8 @@ def readout_scores(q: Tensor, f: ReadoutFrame, cand: Candidates, target_mask: Te
     loss = torch.log(sc.py.squeeze(1)).neg_()
     if one_hot:
         return loss, sc.pi.clone()  # sc is overwritten by the next readout
-    # p_v sums the weights of every candidate labelled v: a product with the (K, V) label indicator, which adds in a
-    # fixed order on CUDA too (index_add_'s atomics would not, and sampling with a fixed seed would drift)
-    labelled = cand.labels[:, None] == torch.arange(num_classes, device=q.device)
-    return loss, torch.mm(sc.pi, labelled.to(q.dtype))
+    # p_v sums the weights of every candidate labelled v (in a fixed order: sampling with a fixed seed repeats on CUDA)
+    return loss, torch.mm(sc.pi, indicator(cand.labels, torch.arange(num_classes, device=q.device), q.dtype))
 
 
 @dataclass

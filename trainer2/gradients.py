@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from trainer2.energy import coupling_grads
+from trainer2.geometry import indicator
 from trainer2.relaxation import Relaxation, WindowStats
 
 
@@ -39,7 +40,7 @@ def embedding_grad(gx: Tensor, ids: Tensor, rows: int) -> Tensor:
     on an H100), add in a varying order and would break bitwise resume, so there it is a product with the (rows, N)
     indicator of ids, which also stays a product under torch.compile."""
     if gx.is_cuda:
-        return torch.mm((ids[None, :] == torch.arange(rows, device=ids.device)[:, None]).to(gx.dtype), gx)
+        return torch.mm(indicator(torch.arange(rows, device=ids.device), ids, gx.dtype), gx)
     return gx.new_zeros(rows, gx.shape[1]).index_add_(0, ids, gx)
 
 
