@@ -71,9 +71,9 @@ def coupling_grads(s_plus: list[Tensor], s_minus: list[Tensor], x: Tensor, p: En
     -dE/dW_i = s_i s_{i-1}^T, -dE/db_i = s_i, -dE/dx = W_1^T s_1; summed over the batch (callers
     fold 1/(beta B) into scale). Returns (weight grads, bias grads, per-example x grad (B, D)).
     """
-    d1 = s_minus[0] - s_plus[0]  # both phases share the clamped input x below the first layer
-    gw, gb = [torch.mm(d1.T, x).mul_(scale)], [d1.sum(0).mul_(scale)]
+    d1 = torch.sub(s_minus[0], s_plus[0]).mul_(scale)  # both phases share the clamped input x below the first layer
+    gw, gb = [torch.mm(d1.T, x)], [d1.sum(0)]
     for sp, sm, bp, bm in zip(s_plus[1:], s_minus[1:], s_plus, s_minus):
         gw.append(torch.addmm(torch.mm(sm.T, bm), sp.T, bp, beta=scale, alpha=-scale))
         gb.append(torch.sub(sm.sum(0), sp.sum(0)).mul_(scale))
-    return gw, gb, torch.mm(d1, p.weights[0]).mul_(scale)
+    return gw, gb, torch.mm(d1, p.weights[0])

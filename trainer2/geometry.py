@@ -70,34 +70,31 @@ def rotor_layers(theta: Tensor, layout: RotorLayout) -> Tensor:
     return eye.index_put((layout.index.reshape(-1),), vals).view(layout.layers, layout.n, layout.n)
 
 
+def rotor_suffixes(layers: Tensor) -> Tensor:
+    """S (L, n, n), S_l = G_{L-1} ... G_l: the rotor from layer l on, so S_0 = R; from the layers (L >= 1, n, n)."""
+    out = [layers[-1]]
+    for g in layers.flip(0)[1:]:
+        out.append(out[-1] @ g)
+    return torch.stack(out[::-1])
+
+
 def rotor_matrix(layers: Tensor) -> Tensor:
     """R (n, n) = G_{L-1} ... G_0 from the layers (L, n, n), so that z = R u rotates a column vector u."""
     if layers.shape[0] == 0:
         return torch.eye(layers.shape[1], dtype=layers.dtype, device=layers.device)
-    rot = layers[0]
-    for g in layers[1:]:
-        rot = g @ rot
-    return rot
+    return rotor_suffixes(layers)[0]
 
 
-def rotor_angle_grad(d_rot: Tensor, layers: Tensor, layout: RotorLayout) -> Tensor:
-    """d loss / d theta (k,) from D = d loss / d R (n, n), given the layers G (L, n, n).
+def rotor_angle_grad(c: Tensor, suffix: Tensor, layout: RotorLayout) -> Tensor:
+    """d loss / d theta (k,) from C = (d loss / d R) R^T (n, n) and the suffixes S (L, n, n) of `rotor_suffixes`.
 
-    d loss / d G_l = P_l^T D Q_l^T with P_l = G_{L-1} ... G_{l+1} and Q_l = G_{l-1} ... G_0; the angle of
-    plane (a, b) moves G_l[a, a], G_l[b, b] by -sin, G_l[b, a] by cos and G_l[a, b] by -cos.
+    Turning plane (a, b) of layer l multiplies G_l by exp(theta J), J = e_b e_a^T - e_a e_b^T, so d loss / d theta
+    = <d loss / d R, S_l J S_l^T R> = K_l[b, a] with K_l = S_l^T (C - C^T) S_l: two products for all planes.
     """
-    num = layers.shape[0]
-    if num == 0:
-        return d_rot.new_zeros(0)
-    eye = layout.eye[: layout.n ** 2].view(layout.n, layout.n).to(d_rot.dtype)  # the first of the stacked identities
-    prefix, suffix = [eye], [eye]  # Q_0 .. Q_{L-1}; P_{L-1} .. P_0
-    for i in range(1, num):
-        prefix.append(layers[0] if i == 1 else layers[i - 1] @ prefix[-1])
-        suffix.append(layers[num - 1] if i == 1 else suffix[-1] @ layers[num - i])
-    dg = torch.stack(suffix[::-1]).transpose(1, 2) @ d_rot @ torch.stack(prefix).transpose(1, 2)  # (L, n, n)
-    m = dg.reshape(-1)[layout.index]  # (4, k): entries (a, a), (b, b), (a, b), (b, a)
-    g = layers.reshape(-1)[layout.index[::3].reshape(-1)].view(2, -1)  # cos (at (a, a)) and sin (at (b, a))
-    return (m[3] - m[2]) * g[0] - (m[0] + m[1]) * g[1]
+    if suffix.shape[0] == 0:
+        return c.new_zeros(0)
+    k = suffix.mT @ (c - c.T) @ suffix  # (L, n, n)
+    return k.reshape(-1)[layout.index[3]]  # the (b, a) entry of every plane
 
 
 @dataclass
@@ -123,8 +120,8 @@ class Candidates:
 class ReadoutFrame:
     """Everything the readout needs that is fixed while the coordinates relax (derived once per batch)."""
 
-    layers: Tensor  # (L, n, n) the rotor's Givens layers
-    rot: Tensor  # (n, n) R
+    suffix: Tensor  # (L, n, n) S_l = G_{L-1} ... G_l, the rotor from layer l on (rotor_suffixes)
+    rot: Tensor  # (n, n) R = S_0
     g: Tensor  # (n,) g_diag
     zc: Tensor  # (K, n) rotated candidates R c_k
     gzc_t: Tensor  # (n, K) (g * zc)^T, for the cross term
@@ -137,12 +134,16 @@ class ReadoutFrame:
 
 def readout_frame(p: ReadoutParams, cand: Candidates, layout: RotorLayout, beta_r: float, eps: float) -> ReadoutFrame:
     """Rotate the candidates into the metric's frame once, for all steps of a window."""
-    layers = rotor_layers(p.theta, layout)
-    rot = rotor_matrix(layers)
+    if layout.layers == 0:
+        suffix = p.theta.new_zeros(0, layout.n, layout.n)
+        rot = torch.eye(layout.n, dtype=p.theta.dtype, device=p.theta.device)
+    else:
+        suffix = rotor_suffixes(rotor_layers(p.theta, layout))
+        rot = suffix[0]
     zc = cand.coords @ rot.T
     gzc = zc * p.g_diag
     cc = (gzc * zc).sum(-1) + eps
-    return ReadoutFrame(layers, rot, p.g_diag, zc, gzc.T.contiguous(), cc, cand.bias, -beta_r * p.r_sc, p.r_sc, beta_r)
+    return ReadoutFrame(suffix, rot, p.g_diag, zc, gzc.T.contiguous(), cc, cand.bias, -beta_r * p.r_sc, p.r_sc, beta_r)
 
 
 @dataclass
@@ -165,27 +166,28 @@ class ReadoutScratch:
         return ReadoutScratch(new(batch, n), new(batch, n), new(batch, k), new(batch, k), new(batch, k), new(batch, 1), new(batch, 1))
 
 
-def readout_weights(q: Tensor, f: ReadoutFrame, target_mask: Tensor, sc: ReadoutScratch) -> None:
+def readout_weights(q: Tensor, f: ReadoutFrame, target_mask: Tensor, sc: ReadoutScratch, one_hot: bool = False) -> None:
     """Fill sc.zq, sc.spd, sc.pi, sc.py and sc.w = (dloss/dcost) / spd for q (B, n), in place.
 
     dloss/dcost_k = beta_r * pi_k * (mask_k / p_y - 1): the target term minus the model's
-    expectation (for prototypes only, beta_r * (1[k = y] - p_k)). target_mask (B, K) is 1 where
-    candidate k carries the example's label.
+    expectation. target_mask (B, K) is 1 where candidate k carries the example's label; one_hot: every
+    label has exactly one candidate, so mask * pi / p_y is the mask itself.
     """
     torch.mm(q, f.rot.T, out=sc.zq)
-    torch.mm(sc.zq, f.gzc_t, out=sc.spd).mul_(-2.0)  # -2 g(zq, zc)
+    torch.addmm(f.cc, sc.zq, f.gzc_t, alpha=-2.0, out=sc.spd)  # g(c, c) + eps - 2 g(zq, zc)
     torch.mul(sc.zq, f.g, out=sc.tmp).mul_(sc.zq)
     torch.sum(sc.tmp, dim=1, keepdim=True, out=sc.col)
-    sc.spd.add_(sc.col).add_(f.cc).clamp_(min=0.0).sqrt_()  # cc carries +eps, so spd >= sqrt(eps)
-    # pi = softmax(-scale * spd + bias), stabilised by the row max; empty slots (bias -inf) get 0.
-    torch.mul(sc.spd, f.neg_scale, out=sc.pi).add_(f.bias)
-    torch.amax(sc.pi, dim=1, keepdim=True, out=sc.col)
-    sc.pi.sub_(sc.col).exp_()
-    torch.sum(sc.pi, dim=1, keepdim=True, out=sc.col)
-    sc.pi.div_(sc.col)
+    sc.spd.add_(sc.col).clamp_(min=0.0).sqrt_()  # cc carries +eps, so spd >= sqrt(eps); the clamp guards rounding
+    # pi = softmax(bias - scale * spd); empty slots (bias -inf) get 0. The logits pass through sc.w.
+    torch.addcmul(f.bias, sc.spd, f.neg_scale, out=sc.w)
+    torch.ops.aten._softmax.out(sc.w, 1, False, out=sc.pi)
     torch.mul(sc.pi, target_mask, out=sc.w)
     torch.sum(sc.w, dim=1, keepdim=True, out=sc.py)
-    sc.w.div_(sc.py).sub_(sc.pi).mul_(f.beta_r).div_(sc.spd)
+    if one_hot:
+        torch.sub(target_mask, sc.pi, out=sc.w)
+    else:
+        sc.w.div_(sc.py).sub_(sc.pi)
+    sc.w.mul_(f.beta_r).div_(sc.spd)
 
 
 def readout_force(q: Tensor, f: ReadoutFrame, target_mask: Tensor, sc: ReadoutScratch, out: Tensor) -> Tensor:
@@ -212,7 +214,7 @@ def readout_scores(q: Tensor, f: ReadoutFrame, cand: Candidates, target_mask: Te
                    one_hot: bool = False) -> tuple[Tensor, Tensor]:
     """Per-example loss (B,) in nats and class probabilities (B, V) at q (B, n), filling the scratch sc. one_hot: the
     candidates are the V prototypes in label order, so the probabilities are the softmax weights themselves."""
-    readout_weights(q, f, target_mask, sc)
+    readout_weights(q, f, target_mask, sc, one_hot)
     loss = torch.log(sc.py.squeeze(1)).neg_()
     if one_hot:
         return loss, sc.pi.clone()  # sc is overwritten by the next readout
@@ -248,6 +250,6 @@ def readout_loss_and_grads(q: Tensor, f: ReadoutFrame, cand: Candidates, target_
     grad_protos = (v[:num_classes] * gr) @ f.rot  # dloss/dc_k = -R^T (R_sc g sum_b w_bk z_bk)
     grad_g = cov.diagonal().mul(f.r_sc).mul_(0.5)  # dcost/dg_i = R_sc z_i^2 / (2 spd)
     grad_r = torch.dot(torch.mul(w, sc.spd).view(-1), sc.spd.view(-1))  # dcost/dR_sc = spd
-    # d/dR: sum of dloss/dz z^T at the rotor's output (gr[:, None] * cov) moved to its input by R.
-    grad_theta = rotor_angle_grad((gr[:, None] * cov) @ f.rot, f.layers, layout)
+    # (dloss/dR) R^T: the sum of dloss/dz z^T at the rotor's output.
+    grad_theta = rotor_angle_grad(gr[:, None] * cov, f.suffix, layout)
     return ReadoutResult(loss, probs, ReadoutParams(grad_g, grad_theta, grad_protos, grad_r))

@@ -97,11 +97,9 @@ class Relaxation:
 
     def free_stats(self) -> dict[str, Tensor]:
         """The free window's observables (call right after free_phase): batch means, 0-dim."""
-        steps = self.cfg.tbptt_window_steps
-        spd = self.ws.spd_hist[:steps]  # (T, B)
-        path = spd.sum(0).mean()
-        return {"lior_mean": self.lior(path), "spd_mean": path / steps, "spd_last": spd[steps - 1].mean(),
-                "R_mean": self.m.readout.r_sc.clone()}
+        spd_mean = self.ws.spd_hist.mean()  # (T, B): spd_hist holds exactly this window's steps
+        return {"lior_mean": self.lior(spd_mean, self.cfg.tbptt_window_steps), "spd_mean": spd_mean,
+                "spd_last": self.ws.spd_rows[-1].mean(), "R_mean": self.m.readout.r_sc.clone()}
 
     def nudged_phases(self, free: FreeState) -> None:
         """Relax T_nudge steps from s0 on E + beta * loss, every nudged phase at once (stacked rows)."""
@@ -115,11 +113,11 @@ class Relaxation:
 
     def nudged_lior(self) -> Tensor:
         """Mean LIoR path length of the nudged phases (0-dim), after nudged_phases."""
-        return self.lior(self.ws_nudged.spd_hist[:self.cfg.nudge_steps].sum(0).mean())
+        return self.lior(self.ws_nudged.spd_hist.mean(), self.cfg.nudge_steps)
 
-    def lior(self, path: Tensor) -> Tensor:
-        """The LIoR path length R_sc dt sum(spd) from `path`, the batch mean of sum(spd) over a window's steps (0-dim)."""
-        return path * (self.m.readout.r_sc * self.cfg.dt)
+    def lior(self, spd_mean: Tensor, steps: int) -> Tensor:
+        """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean."""
+        return torch.mul(self.m.readout.r_sc, self.cfg.dt * steps).mul_(spd_mean)
 
     def relax(self, ws: Workspace, free: FreeState, steps: int, nudged: bool, name: str) -> None:
         """The window for `steps` steps; with on_steps set, in chunks of progress_every steps, each followed
@@ -131,7 +129,7 @@ class Relaxation:
         for done in range(0, steps, every):
             n = min(every, steps - done)
             self.window(ws, *args, done, n, nudged, self.integ, self.one_hot)
-            spd_last, lior = torch.stack([ws.spd_hist[done + n - 1].mean(), self.lior(ws.spd_hist[:done + n].sum(0).mean())]).tolist()
+            spd_last, lior = torch.stack([ws.spd_hist[done + n - 1].mean(), self.lior(ws.spd_hist[:done + n].mean(), done + n)]).tolist()
             self.on_steps(name, done + n, steps, spd_last, lior)
 
     def readout_scores(self, free: FreeState) -> tuple[Tensor, Tensor]:

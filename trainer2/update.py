@@ -61,11 +61,11 @@ def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor, deca
     device-side mask, counted in st.dropped; nothing syncs with the host. grad is used as scratch; step
     receives the applied step. Returns the mask (0-dim, 1 = applied).
     """
-    ok = torch.isfinite(grad.sum()).to(param.dtype)
-    grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    finite = torch.isfinite(grad.sum())
+    ok = finite.to(param.dtype)
     if decay is not None:
         grad.addcmul_(decay, param)
-    grad.mul_(ok)
+    grad.masked_fill_(finite.logical_not(), 0.0)  # all zeros (NaN included) when dropped
     mu = cfg.momentum
     if cfg.update_rule == "momentum":
         st.bufs.mul_(1.0 + ok * (mu - 1.0)).add_(grad)  # decay by momentum, or keep when dropped (grad is 0 then)
@@ -75,7 +75,7 @@ def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor, deca
         b2 = cfg.adam_beta2
         st.count.add_(ok)
         st.bufs.lerp_(grad, ok * (1.0 - mu))  # mu * buf + (1 - mu) * grad, or buf itself when dropped
-        st.sq.mul_(1.0 + ok * (b2 - 1.0)).addcmul_(grad, grad, value=1.0 - b2)
+        st.sq.lerp_(torch.mul(grad, grad, out=step), ok * (1.0 - b2))  # the same for grad^2
         t = st.count.clamp(min=1.0)
         root_bc2 = torch.sqrt(1.0 - b2**t)
         # lr * mult * (buf / bc1) / (sqrt(sq / bc2) + eps), with the bias corrections moved onto scalars
@@ -122,6 +122,8 @@ class Updater:
         self.state = UpdateState.allocate(table.flat, [w.shape[0] for w in couplings(machine)], cfg)
         self.metrics = MetricSums(table.flat)
         self.grad, self.step = torch.zeros_like(table.flat), torch.zeros_like(table.flat)
+        self.step_parts = {g: self.step[table.spans[g]] for g in GROUPS if g in table.spans}  # views, made once
+        self.counts: dict[int, Tensor] = {}  # 0-dim constants for the per-window counts, by value
 
     def gather(self, grads: dict[str, Tensor]) -> Tensor:
         """Copy the named gradients into the flat buffer (one copy); returns it."""
@@ -132,18 +134,23 @@ class Updater:
         t = self.table
         ok = flat_update(t.flat, self.grad, self.state, t.mult, t.decay_flat, self.cfg, self.step)
         project_constraints(self.m, self.cfg, self.state.power_vecs)
-        zero = torch.zeros((), dtype=out.loss.dtype, device=out.loss.device)
         st = out.stats
         self.metrics.add({
-            "windows": zero + 1, "examples": zero + targets.shape[0], "loss_sum": out.loss.sum(),
-            "correct_sum": (out.probs.argmax(1) == targets).to(zero.dtype).sum(),
+            "windows": self.count(1), "examples": self.count(targets.shape[0]), "loss_sum": out.loss.sum(),
+            "correct_sum": (out.probs.argmax(1) == targets).sum(dtype=t.flat.dtype),
             "lior_mean": st.lior_mean, "spd_mean": st.spd_mean, "spd_last": st.spd_last, "lior_nudge": st.lior_nudge,
             "R_mean": st.R_mean, "dropped": 1.0 - ok,
-            **{f"update_norm_{g}": self.step[t.spans[g]].norm() if g in t.spans else zero for g in GROUPS},
+            **{f"update_norm_{g}": self.step_parts[g].norm() if g in self.step_parts else self.count(0) for g in GROUPS},
             # 1 when a parameter is not finite after this update: NaN and inf carry through the sum (so does a sum
-            # past the float range, ~1e38: such a parameter has blown up anyway)
-            "nonfinite_params": 1.0 - torch.isfinite(t.flat.sum()).to(zero.dtype),
+            # past the float range, ~1e38: such a parameter has blown up anyway), and sum * 0 is NaN exactly then
+            "nonfinite_params": t.flat.sum().mul_(0.0).nan_to_num_(nan=1.0),
         })
+
+    def count(self, value: int) -> Tensor:
+        """A 0-dim constant on the device, made on first use (before any graph capture) and then reused."""
+        if value not in self.counts:
+            self.counts[value] = torch.tensor(float(value), dtype=self.table.flat.dtype, device=self.table.flat.device)
+        return self.counts[value]
 
     def tensors(self) -> dict[str, Tensor]:
         """Update state and metric sums by checkpoint key."""

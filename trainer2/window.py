@@ -73,12 +73,12 @@ class FoldedFrame:
     """The readout folded into small matrices once per batch, for the fixed-point step.
 
     With L = diag(sqrt g) R, y = q L^T are coordinates in which the metric is Euclidean, A = L^T L and
-    C_k = c_k A the candidates seen from q. Nudged: q @ mq_nudge + b_nudge = [b - q | y | qA], and W h_M is
-    then added to the first n columns (dq). Allocated once (the constant blocks written then); `fold_frame`
-    refills the rest in place per batch."""
+    C_k = c_k A the candidates seen from q. Nudged: q @ mq_nudge + b_nudge = [b - q | 0 | y | qA]; W h_M is
+    then added to the first n columns (dq) and w @ caug to the first n + 1 ([dq | sum w]). Allocated once (the
+    constant blocks written then); `fold_frame` refills the rest in place per batch."""
 
-    mq_nudge: Tensor  # (n, 3n) q -> [dq | y | qA]: [-I, L^T, A] (h_M only reaches dq: W h_M is added on its own)
-    b_nudge: Tensor  # (3n,) [b | 0 | 0]
+    mq_nudge: Tensor  # (n, 3n + 1) q -> [dq | 0 | y | qA]: [-I, 0, L^T, A] (h_M only reaches dq: W h_M is added on its own)
+    b_nudge: Tensor  # (3n + 1,) [b | 0 | 0 | 0]
     lt: Tensor  # (n, n + 1) [L^T | 0]
     c: Tensor  # (n + 1,) [0 .. 0, sqrt(eps)]: |v L^T, sqrt(eps)| = spd of the velocity v
     yc2: Tensor  # (n, K) -2 Yc^T
@@ -93,7 +93,7 @@ class FoldedFrame:
         def new(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
-        f = FoldedFrame(new(n, 3 * n), new(3 * n), new(n, n + 1), new(n + 1), new(n, k), new(k), new(k, n + 1), new(k), new(), eps)
+        f = FoldedFrame(new(n, 3 * n + 1), new(3 * n + 1), new(n, n + 1), new(n + 1), new(n, k), new(k), new(k, n + 1), new(k), new(), eps)
         f.mq_nudge[:, :n] = -torch.eye(n, dtype=like.dtype, device=like.device)
         f.c[n] = math.sqrt(eps)
         f.caug[:, n] = 1.0
@@ -107,8 +107,8 @@ def fold_frame(p: EnergyParams, f: ReadoutFrame, out: FoldedFrame) -> FoldedFram
     sg = f.g.sqrt()
     lt = out.lt[:, :n]
     lt.copy_(f.rot.T).mul_(sg)  # L^T = R^T diag(sqrt g)
-    out.mq_nudge[:, n:2 * n].copy_(lt)
-    out.mq_nudge[:, 2 * n:].copy_(lt @ lt.T)  # A = L^T L
+    out.mq_nudge[:, n + 1:2 * n + 1].copy_(lt)
+    out.mq_nudge[:, 2 * n + 1:].copy_(lt @ lt.T)  # A = L^T L
     out.b_nudge[:n].copy_(p.biases[-1])
     yc = f.zc * sg  # (K, n) candidates in the Euclidean coordinates
     torch.mul(yc.T, -2.0, out=out.yc2)
@@ -129,13 +129,21 @@ class Workspace:
     label_hit: Tensor  # (R, K) bool, the same before conversion
     beta_sign: Tensor  # (R, 1) the nudging strength of each row (+beta, -beta or 0), fixed at allocation
     beta_col: Tensor  # (R, 1) per-row factor of the q nudge, set once per batch
+    mask_beta: Tensor  # (R, K) target_mask * beta_col, set once per batch (fixed point)
+    neg_beta: Tensor  # (R, 1) -beta_col (fixed point)
     spd_hist: Tensor  # (T, R) spd of every step
     spd_rows: list[Tensor]  # the rows of spd_hist, made once (a step writes one)
     # fixed point
-    q_next: Tensor  # (R, n) the free step's new q (the free window alternates q between this and state.s[-1])
-    vel: Tensor  # (R, n) the free step's velocity q_next - q
-    out: Tensor  # (R, 3n) [dq | y | qA] of a nudged step, and views of its three blocks
+    q_hist: Tensor  # (T + 1, R, n) q before every step and after the last
+    q_rows: list[Tensor]  # its rows, made once
+    vel: Tensor  # (T, R, n) the velocity q_{t+1} - q_t of every step
+    vel_flat: Tensor  # the same as (T R, n)
+    zv_hist: Tensor  # (T, R, n + 1) [v L^T | sqrt(eps)] of every step
+    zv_flat: Tensor  # the same as (T R, n + 1)
+    out: Tensor  # (R, 3n + 1) [dq | sum w | y | qA] of a nudged step, and views of its blocks
     dq: Tensor
+    dqs: Tensor  # [dq | sum w]
+    wsum: Tensor
     y: Tensor
     qa: Tensor
     temp: list[Tensor]  # (R, H_i) new lower hidden layers h_1..h_{M-1} (Jacobi); empty for one hidden layer
@@ -144,10 +152,8 @@ class Workspace:
     rspd: Tensor  # (R, K) 1 / spd(q - c_k)
     logit: Tensor  # (R, K)
     pi: Tensor  # (R, K)
-    w: Tensor  # (R, K) dloss/dcost_k / (beta_r R_sc spd_k)
+    w: Tensor  # (R, K) beta_col dloss/dcost_k / (beta_r R_sc spd_k)
     py: Tensor  # (R, 1)
-    wc: Tensor  # (R, n + 1) [-w C | sum w]
-    nudge: Tensor  # (R, n)
     # leapfrog (and scoring)
     force: list[Tensor]  # (R, H_i) -dE/ds_i; empty for the fixed point
     gnudge: Tensor  # (R, n) dloss/dq
@@ -162,19 +168,20 @@ class Workspace:
         def new(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
-        out = new(rows, 3 * n)
+        out = new(rows, 3 * n + 1)
+        q_hist, vel, zv_hist = new(steps + 1, rows, n), new(steps, rows, n), new(steps, rows, n + 1)
         spd_hist = new(steps, rows)
-        wc = new(rows, n + 1)
         per = rows // len(betas)
         beta_sign = torch.cat([torch.full((per, 1), b, dtype=like.dtype, device=like.device) for b in betas])
         return Workspace(
             state=State.zeros(rows, sizes, like, momenta=not fixed), drive=new(rows, sizes[0]), target_mask=new(rows, k),
             label_hit=torch.zeros(rows, k, dtype=torch.bool, device=like.device),
-            beta_sign=beta_sign, beta_col=new(rows, 1), spd_hist=spd_hist, spd_rows=list(spd_hist.unbind(0)),
-            q_next=new(rows, n), vel=new(rows, n), out=out, dq=out[:, :n], y=out[:, n:2 * n],
-            qa=out[:, 2 * n:], temp=[new(rows, h) for h in sizes[:-2]] if fixed else [],
+            beta_sign=beta_sign, beta_col=new(rows, 1), mask_beta=new(rows, k), neg_beta=new(rows, 1), spd_hist=spd_hist, spd_rows=list(spd_hist.unbind(0)),
+            q_hist=q_hist, q_rows=list(q_hist.unbind(0)), vel=vel, vel_flat=vel.view(-1, n), zv_hist=zv_hist,
+            zv_flat=zv_hist.view(-1, n + 1), out=out, dq=out[:, :n], dqs=out[:, :n + 1], wsum=out[:, n:n + 1],
+            y=out[:, n + 1:2 * n + 1], qa=out[:, 2 * n + 1:], temp=[new(rows, h) for h in sizes[:-2]] if fixed else [],
             zv=new(rows, n + 1), ny=new(rows, 1), rspd=new(rows, k), logit=new(rows, k), pi=new(rows, k), w=new(rows, k),
-            py=new(rows, 1), wc=wc, nudge=new(rows, n),
+            py=new(rows, 1),
             force=[] if fixed else [new(rows, h) for h in sizes], gnudge=new(rows, n),
             readout=ReadoutScratch.allocate(rows, n, k, like),
         )
@@ -187,33 +194,33 @@ def fixed_point_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame,
                        nudged: bool, integ: Integrator, one_hot: bool) -> None:
     """`steps` fixed-point steps from ws.state (steps start .. start + steps - 1 of the window).
 
-    Per step and hidden layer one addmm (two for a layer with a layer above it) and one clamp. Free: q' = W h_M + b
-    by one addmm into the other q buffer, then its velocity and spd (6 ops per step with one hidden layer).
-    Nudged: [dq | y | qA] from q, W h_M added to dq, the readout's pull from y and qA. one_hot: every label has
-    exactly one candidate (no memory bank), so mask * pi / p_y is the mask itself."""
+    Per step and hidden layer one addmm (two for a layer with a layer above it) and one clamp; q_t is kept in
+    ws.q_rows[t]. Free: q_{t+1} = W h_M + b by one addmm (3 ops per step with one hidden layer). Nudged:
+    [dq | 0 | y | qA] from q, W h_M and the readout's pull (from y and qA) added to dq, q_{t+1} = q_t + dq.
+    The steps' spd comes from the q history after the loop, in three operators for all of them. one_hot: every
+    label has exactly one candidate (no memory bank), so mask * pi / p_y is the mask itself."""
     s, w_, b_ = ws.state.s, params.weights, params.biases
+    wt = [w.T for w in w_]  # the transposed views made once per window, not per step
     last = len(s) - 1
     top = s[last - 1]  # h_M is updated in place: only q reads it, and q's step is formed first
-    q, q_next = s[last], ws.q_next
+    ws.q_rows[start].copy_(s[last])
     for t in range(start, start + steps):
+        q, q_new = ws.q_rows[t], ws.q_rows[t + 1]
         if nudged:
-            torch.addmm(fold.b_nudge, q, fold.mq_nudge, out=ws.out)  # [b - q | y | qA]
-            ws.dq.addmm_(top, w_[last].T)  # + W h_M into dq alone (y and qA do not see h_M)
+            torch.addmm(fold.b_nudge, q, fold.mq_nudge, out=ws.out)  # [b - q | 0 | y | qA]
+            ws.dq.addmm_(top, wt[last])  # + W h_M into dq alone (y and qA do not see h_M)
         else:
-            torch.addmm(b_[last], top, w_[last].T, out=q_next)  # the minimiser in q: W h_M + b
-            torch.sub(q_next, q, out=ws.vel)
-            torch.addmm(fold.c, ws.vel, fold.lt, out=ws.zv)  # [v L^T | sqrt(eps)]
-            torch.linalg.vector_norm(ws.zv, dim=1, out=ws.spd_rows[t])
+            torch.addmm(b_[last], top, wt[last], out=q_new)  # the minimiser in q: W h_M + b
         # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q).
         for i, out in enumerate(ws.temp):
             if i == 0:
                 torch.addmm(ws.drive, s[1], w_[1], out=out)
             else:
-                torch.addmm(b_[i], s[i - 1], w_[i].T, out=out).addmm_(s[i + 1], w_[i + 1])
+                torch.addmm(b_[i], s[i - 1], wt[i], out=out).addmm_(s[i + 1], w_[i + 1])
         if last == 1:
             torch.addmm(ws.drive, q, w_[last], out=top)
         else:
-            torch.addmm(b_[last - 1], s[last - 2], w_[last - 1].T, out=top).addmm_(q, w_[last])
+            torch.addmm(b_[last - 1], s[last - 2], wt[last - 1], out=top).addmm_(q, w_[last])
         top.clamp_(0.0, 1.0)
         if ws.temp:
             torch._foreach_clamp_min_(ws.temp, 0.0)
@@ -221,19 +228,18 @@ def fixed_point_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame,
             torch._foreach_copy_(s[:last - 1], ws.temp)
         if nudged:
             readout_nudge(ws, fold, one_hot)
-            ws.dq.addcmul_(ws.nudge, ws.beta_col)
-            q.add_(ws.dq)
-            torch.addmm(fold.c, ws.dq, fold.lt, out=ws.zv)
-            torch.linalg.vector_norm(ws.zv, dim=1, out=ws.spd_rows[t])
-        else:
-            q, q_next = q_next, q  # no copy: the buffers swap roles
-    if q is not s[last]:
-        s[last].copy_(q)  # an odd number of free steps leaves q in the other buffer
+            torch.add(q, ws.dq, out=q_new)
+    s[last].copy_(ws.q_rows[start + steps])
+    # spd_t = |v_t L^T, sqrt(eps)| for the velocities v_t = q_{t+1} - q_t of these steps, all at once
+    end, rows = start + steps, ws.vel.shape[1]
+    torch.sub(ws.q_hist[start + 1:end + 1], ws.q_hist[start:end], out=ws.vel[start:end])
+    torch.addmm(fold.c, ws.vel_flat[start * rows:end * rows], fold.lt, out=ws.zv_flat[start * rows:end * rows])
+    torch.linalg.vector_norm(ws.zv_hist[start:end], dim=2, out=ws.spd_hist[start:end])
 
 
 def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
-    """ws.nudge (R, n) = sum_k w_k (qA - C_k), the readout's pull at the old q up to the factor beta_r R_sc,
-    from ws.y and ws.qa; w_k = (mask_k pi_k / p_y - pi_k) / spd_k."""
+    """Adds the readout's pull at the old q to ws.dq: beta_col sum_k w_k (qA - C_k), w_k = (mask_k pi_k / p_y - pi_k)
+    / spd_k, from ws.y and ws.qa (beta_col carries -beta beta_r R_sc, see `set_nudge_scale`)."""
     rspd = ws.rspd
     torch.addmm(fold.cc, ws.y, fold.yc2, out=rspd)  # |yc|^2 + eps - 2 y.yc
     torch.linalg.vector_norm(ws.y, dim=1, keepdim=True, out=ws.ny).square_()  # (a broadcast addcmul_ is 4x slower)
@@ -241,14 +247,13 @@ def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
     torch.addcdiv(fold.bias, fold.neg_scale, rspd, out=ws.logit)  # bias - beta_r R_sc spd
     torch.ops.aten._softmax.out(ws.logit, 1, False, out=ws.pi)
     if one_hot:
-        torch.sub(ws.target_mask, ws.pi, out=ws.w).mul_(rspd)
+        torch.addcmul(ws.mask_beta, ws.pi, ws.neg_beta, out=ws.w).mul_(rspd)  # beta_col (mask - pi) / spd
     else:
         torch.mul(ws.pi, ws.target_mask, out=ws.w)
         torch.sum(ws.w, dim=1, keepdim=True, out=ws.py)
-        ws.w.div_(ws.py).sub_(ws.pi).mul_(rspd)
-    n = ws.nudge.shape[1]
-    torch.mm(ws.w, fold.caug, out=ws.wc)  # [-w C | sum w]
-    torch.addcmul(ws.wc[:, :n], ws.wc[:, n:], ws.qa, out=ws.nudge)
+        ws.w.div_(ws.py).sub_(ws.pi).mul_(rspd).mul_(ws.beta_col)
+    ws.dqs.addmm_(ws.w, fold.caug)  # [dq | 0] += [-w C | sum w]
+    ws.dq.addcmul_(ws.wsum, ws.qa)
 
 
 def leapfrog_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame, fold: FoldedFrame, start: int, steps: int,
@@ -273,10 +278,13 @@ def leapfrog_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame, fo
 
 
 def set_nudge_scale(ws: Workspace, fold: FoldedFrame, integ: Integrator) -> None:
-    """Per batch: the factor of each row's q nudge. The fixed point adds beta_col * ws.nudge, where ws.nudge lacks
-    beta_r R_sc (so beta_col = -beta * beta_r * R_sc); the leapfrog adds beta_col * dloss/dq (beta_col = -beta)."""
+    """Per batch, after the target mask: the factor of each row's q nudge. The fixed point's pull lacks beta_r R_sc
+    (so beta_col = -beta * beta_r * R_sc, folded into its weights with mask_beta and neg_beta); the leapfrog adds
+    beta_col * dloss/dq (beta_col = -beta)."""
     if integ.fixed_point:
         torch.mul(ws.beta_sign, fold.neg_scale, out=ws.beta_col)
+        torch.mul(ws.target_mask, ws.beta_col, out=ws.mask_beta)
+        torch.neg(ws.beta_col, out=ws.neg_beta)
     else:
         torch.neg(ws.beta_sign, out=ws.beta_col)
 
