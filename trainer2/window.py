@@ -13,8 +13,8 @@ A workspace holds R rows: the batch (free phase) or the +beta and -beta nudged p
 rows with a per-row beta, so both nudged phases cost one set of operators). Every tensor a step touches
 lives in the workspace; a step allocates nothing, never syncs with the host and never branches on a
 tensor value, so a window can be captured as a CUDA graph and replayed. The speed of the velocity,
-spd = sqrt(g(v, v) + eps), is written to one row of `spd_hist` per step; the LIoR path length is
-R_sc dt sum(spd) and is formed once, after the window.
+spd = sqrt(g(v, v) + eps), fills one row of `spd_hist` per step (the fixed point forms every row after its
+loop, from the q it keeps per step); the LIoR path length is R_sc dt sum(spd) and is formed once, after the window.
 """
 
 from __future__ import annotations
