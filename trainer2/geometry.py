@@ -71,29 +71,25 @@ def rotor_layers(theta: Tensor, layout: RotorLayout) -> Tensor:
 
 
 def rotor_suffixes(layers: Tensor) -> Tensor:
-    """S (L, n, n), S_l = G_{L-1} ... G_l: the rotor from layer l on, so S_0 = R; from the layers (L >= 1, n, n)."""
-    out = [layers[-1]]
-    for g in layers.flip(0)[1:]:
+    """S (L + 1, n, n), S_l = G_{L-1} ... G_l: the rotor from layer l on, from the layers (L, n, n); S_0 = R, S_L = I."""
+    out = [torch.eye(layers.shape[1], dtype=layers.dtype, device=layers.device)]
+    for g in layers.flip(0):
         out.append(out[-1] @ g)
     return torch.stack(out[::-1])
 
 
 def rotor_matrix(layers: Tensor) -> Tensor:
     """R (n, n) = G_{L-1} ... G_0 from the layers (L, n, n), so that z = R u rotates a column vector u."""
-    if layers.shape[0] == 0:
-        return torch.eye(layers.shape[1], dtype=layers.dtype, device=layers.device)
     return rotor_suffixes(layers)[0]
 
 
 def rotor_angle_grad(c: Tensor, suffix: Tensor, layout: RotorLayout) -> Tensor:
-    """d loss / d theta (k,) from C = (d loss / d R) R^T (n, n) and the suffixes S (L, n, n) of `rotor_suffixes`.
+    """d loss / d theta (k,) from C = (d loss / d R) R^T (n, n) and the suffixes S (L + 1, n, n) of `rotor_suffixes`.
 
     Turning plane (a, b) of layer l multiplies G_l by exp(theta J), J = e_b e_a^T - e_a e_b^T, so d loss / d theta
     = <d loss / d R, S_l J S_l^T R> = K_l[b, a] with K_l = S_l^T (C - C^T) S_l: two products for all planes.
     """
-    if suffix.shape[0] == 0:
-        return c.new_zeros(0)
-    k = suffix.mT @ (c - c.T) @ suffix  # (L, n, n)
+    k = suffix.mT @ (c - c.T) @ suffix  # (L + 1, n, n); K_L (no planes) is never read
     return k.reshape(-1)[layout.index[3]]  # the (b, a) entry of every plane
 
 
@@ -120,7 +116,7 @@ class Candidates:
 class ReadoutFrame:
     """Everything the readout needs that is fixed while the coordinates relax (derived once per batch)."""
 
-    suffix: Tensor  # (L, n, n) S_l = G_{L-1} ... G_l, the rotor from layer l on (rotor_suffixes)
+    suffix: Tensor  # (L + 1, n, n) S_l = G_{L-1} ... G_l, the rotor from layer l on (rotor_suffixes)
     rot: Tensor  # (n, n) R = S_0
     g: Tensor  # (n,) g_diag
     zc: Tensor  # (K, n) rotated candidates R c_k
@@ -134,12 +130,8 @@ class ReadoutFrame:
 
 def readout_frame(p: ReadoutParams, cand: Candidates, layout: RotorLayout, beta_r: float, eps: float) -> ReadoutFrame:
     """Rotate the candidates into the metric's frame once, for all steps of a window."""
-    if layout.layers == 0:
-        suffix = p.theta.new_zeros(0, layout.n, layout.n)
-        rot = torch.eye(layout.n, dtype=p.theta.dtype, device=p.theta.device)
-    else:
-        suffix = rotor_suffixes(rotor_layers(p.theta, layout))
-        rot = suffix[0]
+    suffix = rotor_suffixes(rotor_layers(p.theta, layout))
+    rot = suffix[0]
     zc = cand.coords @ rot.T
     gzc = zc * p.g_diag
     cc = (gzc * zc).sum(-1) + eps

@@ -132,7 +132,7 @@ class Workspace:
     mask_beta: Tensor  # (R, K) target_mask * beta_col, set once per batch (fixed point)
     neg_beta: Tensor  # (R, 1) -beta_col (fixed point)
     spd_hist: Tensor  # (T, R) spd of every step
-    spd_rows: list[Tensor]  # the rows of spd_hist, made once (a step writes one)
+    spd_rows: list[Tensor]  # the rows of spd_hist, made once (a leapfrog step writes one)
     # fixed point
     q_hist: Tensor  # (T + 1, R, n) q before every step and after the last
     q_rows: list[Tensor]  # its rows, made once
