@@ -50,7 +50,7 @@ def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepR
         free = relax.free_phase(inputs, targets)
         stats = relax.free_stats()
         loss, probs = relax.readout_scores(free)
-    with relax.phase("update"):
+    with relax.phase("update"), torch.inference_mode(False):  # the step runs in inference mode; autograd needs it off
         exact, _ = exact_grads(m, inputs, targets, cfg.tbptt_window_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
     return StepResult(exact, loss, probs, WindowStats(**stats, lior_nudge=torch.zeros_like(stats["lior_mean"])))
 

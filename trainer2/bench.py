@@ -189,11 +189,12 @@ def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: in
     args = (relax.m.energy, free.frame, free.fold, 0)
     k_free, _ = profile_call(lambda: relax.window(relax.ws, *args, cfg.tbptt_window_steps, False, relax.integ, relax.one_hot), cuda)
     k_nudged, _ = profile_call(lambda: relax.window(relax.ws_nudged, *args, cfg.nudge_steps, True, relax.integ, relax.one_hot), cuda)
-    step.step(*feed[1])  # warm-up
+    runner = StepRunner(step)  # eager, as the trainer runs it (in inference mode)
+    runner.step(*feed[1])  # warm-up
     timer = PhaseTimer(device, timing=True)
     relax.phase = timer.phase
     for x, y in feed[2:]:
-        step.step(x, y)
+        runner.step(x, y)
     times = timer.collect(windows)
     return WindowCost(k_free / cfg.tbptt_window_steps, k_nudged / cfg.nudge_steps,
                       {k.removeprefix("time_").removesuffix("_ms"): v for k, v in times.items()})

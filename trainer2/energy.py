@@ -75,5 +75,5 @@ def coupling_grads(s_plus: list[Tensor], s_minus: list[Tensor], x: Tensor, p: En
     gw, gb = [torch.mm(d1.T, x)], [d1.sum(0)]
     for sp, sm, bp, bm in zip(s_plus[1:], s_minus[1:], s_plus, s_minus):
         gw.append(torch.addmm(torch.mm(sm.T, bm), sp.T, bp, beta=scale, alpha=-scale))
-        gb.append(torch.sub(sm.sum(0), sp.sum(0)).mul_(scale))
+        gb.append(torch.sub(sm, sp).sum(0).mul_(scale))
     return gw, gb, torch.mm(d1, p.weights[0])

@@ -33,7 +33,7 @@ class ParamTable:
     tensors: tuple[Tensor, ...]
     groups: tuple[str, ...]
     flat: Tensor  # (P,) the machine's parameters
-    mult: Tensor  # (P,) each element's lr multiplier
+    mult: Tensor | None  # (P,) each element's lr multiplier; None when every group's is 1
     decay_flat: Tensor | None  # (P,) each element's decay; None when nothing decays
     spans: dict[str, slice]  # each group's elements (groups are contiguous in the parameter order)
 
@@ -56,7 +56,7 @@ class ParamTable:
             spans[g] = slice(spans[g].start if g in spans else at, at + k)
             at += k
         return ParamTable(
-            names=tuple(named), tensors=tuple(named.values()), groups=groups, flat=flat, mult=per_element(mults), decay_flat=per_element(decay) if any(decay) else None, spans=spans,
+            names=tuple(named), tensors=tuple(named.values()), groups=groups, flat=flat, mult=per_element(mults) if any(v != 1.0 for v in mults) else None, decay_flat=per_element(decay) if any(decay) else None, spans=spans,
         )
 
     def ordered(self, grads: dict[str, Tensor]) -> list[Tensor]:

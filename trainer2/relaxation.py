@@ -18,7 +18,7 @@ from trainer2.energy import input_drive
 from trainer2.geometry import Candidates, ReadoutFrame, ReadoutResult, readout_frame, readout_loss_and_grads, readout_scores
 from trainer2.machine import Machine
 from trainer2.memory import MemoryBank
-from trainer2.window import FoldedFrame, Integrator, State, Workspace, fold_frame, set_nudge_scale, window_function
+from trainer2.window import FoldBlocks, FoldedFrame, Integrator, State, Workspace, fold_frame, set_nudge_scale, window_function
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Relaxation:
         self.ws_nudged = Workspace.allocate(len(betas) * batch, sizes, num_cand, cfg.nudge_steps, betas, like, self.integ.fixed_point)
         self.phases = len(betas)
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
-        self.fold = FoldedFrame.allocate(sizes[-1], num_cand, cfg.eps, like)
+        self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, cfg.eps, like)
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
         # The nudged equilibria, as views of the stacked workspace: rows [0, B) are +beta, [B, 2B) -beta.
         self.s_plus = [t[:batch] for t in self.ws_nudged.state.s]
@@ -85,7 +85,7 @@ class Relaxation:
         x = m.input_vectors(inputs)
         cand = self.candidates()
         frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
-        fold = fold_frame(m.energy, frame, self.fold)
+        fold = fold_frame(m.energy, frame, self.fold_blocks)
         torch.eq(targets[:, None], cand.labels[None, :], out=ws.label_hit)
         ws.target_mask.copy_(ws.label_hit)
         input_drive(x, m.energy, ws.drive)

@@ -53,24 +53,26 @@ class UpdateState:
         return out
 
 
-def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor, decay: Tensor | None, cfg: TrainConfig, step: Tensor) -> Tensor:
+def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor | None, decay: Tensor | None, cfg: TrainConfig, step: Tensor) -> Tensor:
     """One step of every parameter at once, over flat (P,) buffers: heavy-ball (buf = momentum * buf + grad,
-    p -= lr * mult * buf) or Adam (momentum as beta1, bias-corrected); grad includes decay * p.
+    p -= lr * mult * buf) or Adam (momentum as beta1, bias-corrected); grad includes decay * p; mult None is 1.
 
     A non-finite gradient anywhere drops the whole update (buffers and parameters untouched) by a
     device-side mask, counted in st.dropped; nothing syncs with the host. grad is used as scratch; step
     receives the applied step. Returns the mask (0-dim, 1 = applied).
     """
-    finite = torch.isfinite(grad.sum())
-    ok = finite.to(param.dtype)
+    ok = torch.isfinite(grad.sum()).to(param.dtype)
     if decay is not None:
         grad.addcmul_(decay, param)
-    grad.masked_fill_(finite.logical_not(), 0.0)  # all zeros (NaN included) when dropped
+    # All zeros (NaN and inf included) when dropped, else unchanged: two cheap passes (masked_fill_ with a 0-dim
+    # mask takes a slow path, 3x their time)
+    grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(ok)
     mu = cfg.momentum
     if cfg.update_rule == "momentum":
         st.bufs.mul_(1.0 + ok * (mu - 1.0)).add_(grad)  # decay by momentum, or keep when dropped (grad is 0 then)
-        torch.mul(st.bufs, mult, out=step)
-        step.mul_(st.lr * ok)
+        torch.mul(st.bufs, st.lr * ok, out=step)
+        if mult is not None:
+            step.mul_(mult)
     else:
         b2 = cfg.adam_beta2
         st.count.add_(ok)
@@ -80,7 +82,9 @@ def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor, deca
         root_bc2 = torch.sqrt(1.0 - b2**t)
         # lr * mult * (buf / bc1) / (sqrt(sq / bc2) + eps), with the bias corrections moved onto scalars
         torch.sqrt(st.sq, out=step).add_(root_bc2 * cfg.adam_eps)
-        torch.div(st.bufs, step, out=step).mul_(mult).mul_(st.lr * ok * root_bc2 / (1.0 - mu**t))
+        torch.div(st.bufs, step, out=step).mul_(st.lr * ok * root_bc2 / (1.0 - mu**t))
+        if mult is not None:
+            step.mul_(mult)
     param.sub_(step)
     st.dropped.add_(1.0 - ok)
     return ok

@@ -73,50 +73,57 @@ class FoldedFrame:
     """The readout folded into small matrices once per batch, for the fixed-point step.
 
     With L = diag(sqrt g) R, y = q L^T are coordinates in which the metric is Euclidean, A = L^T L and
-    C_k = c_k A the candidates seen from q. Nudged: q @ mq_nudge + b_nudge = [b - q | 0 | y | qA]; W h_M is
-    then added to the first n columns (dq) and w @ caug to the first n + 1 ([dq | sum w]). Allocated once (the
-    constant blocks written then); `fold_frame` refills the rest in place per batch."""
+    C_k = c_k A the candidates seen from q. Nudged: q @ mq_nudge + b_nudge = [b - q | 0 | y | 1 | qA]; W h_M is
+    then added to the first n columns (dq), -w @ caug to the first n + 1 ([dq | sum w]), and [y | 1] @ yc2 gives
+    |y - yc_k|^2 + eps less |y|^2."""
 
-    mq_nudge: Tensor  # (n, 3n + 1) q -> [dq | 0 | y | qA]: [-I, 0, L^T, A] (h_M only reaches dq: W h_M is added on its own)
-    b_nudge: Tensor  # (3n + 1,) [b | 0 | 0 | 0]
+    mq_nudge: Tensor  # (n, 3n + 2) q -> [dq | 0 | y | 0 | qA]: [-I, 0, L^T, 0, A] (h_M only reaches dq: W h_M is added on its own)
+    b_nudge: Tensor  # (3n + 2,) [b | 0 | 0 | 1 | 0]
     lt: Tensor  # (n, n + 1) [L^T | 0]
     c: Tensor  # (n + 1,) [0 .. 0, sqrt(eps)]: |v L^T, sqrt(eps)| = spd of the velocity v
-    yc2: Tensor  # (n, K) -2 Yc^T
-    cc: Tensor  # (K,) |yc_k|^2 + eps
-    caug: Tensor  # (K, n + 1) [-C | 1]: w @ caug = [-w C | sum w]
+    yc2: Tensor  # (n + 1, K) [-2 Yc^T ; |yc_k|^2 + eps]
+    caug: Tensor  # (K, n + 1) [C | -1]: -w @ caug = [-w C | sum w]
     bias: Tensor  # (K,) logit bias (0, or -inf for an empty memory slot)
     neg_scale: Tensor  # 0-dim -retrieval_beta * R_sc
-    eps: float
+
+
+@dataclass(frozen=True)
+class FoldBlocks:
+    """The constant blocks of a FoldedFrame, made once per workspace size so that folding is a few products and
+    concatenations: [-I | 0] (n, n + 1), a zero column (n, 1), b_nudge's tail [0 | 0 | 1 | 0] (2n + 2,), c, and a
+    column of -1 (K, 1)."""
+
+    neg_eye: Tensor
+    zero_col: Tensor
+    b_tail: Tensor
+    c: Tensor
+    minus_one: Tensor
 
     @staticmethod
-    def allocate(n: int, k: int, eps: float, like: Tensor) -> "FoldedFrame":
+    def make(n: int, k: int, eps: float, like: Tensor) -> "FoldBlocks":
         def new(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
-        f = FoldedFrame(new(n, 3 * n + 1), new(3 * n + 1), new(n, n + 1), new(n + 1), new(n, k), new(k), new(k, n + 1), new(k), new(), eps)
-        f.mq_nudge[:, :n] = -torch.eye(n, dtype=like.dtype, device=like.device)
-        f.c[n] = math.sqrt(eps)
-        f.caug[:, n] = 1.0
-        return f
+        neg_eye, b_tail, c = new(n, n + 1), new(2 * n + 2), new(n + 1)
+        neg_eye[:, :n] = -torch.eye(n, dtype=like.dtype, device=like.device)
+        b_tail[n + 1] = 1.0
+        c[n] = math.sqrt(eps)
+        return FoldBlocks(neg_eye, new(n, 1), b_tail, c, torch.full((k, 1), -1.0, dtype=like.dtype, device=like.device))
 
 
-def fold_frame(p: EnergyParams, f: ReadoutFrame, out: FoldedFrame) -> FoldedFrame:
-    """Per batch (outside the window): refill `out` from the top coupling's bias and the readout frame, in place;
-    returns it. Blocks are written by copy_ and in-place ops (torch.compile refuses non-contiguous out= tensors)."""
-    n = f.g.shape[0]
+def fold_frame(p: EnergyParams, f: ReadoutFrame, blocks: FoldBlocks) -> FoldedFrame:
+    """Per batch (outside the window): the top coupling's bias and the readout frame folded for the fixed-point
+    step, in a dozen operators (a product or concatenation each; it ran 26 when it refilled preallocated blocks)."""
     sg = f.g.sqrt()
-    lt = out.lt[:, :n]
-    lt.copy_(f.rot.T).mul_(sg)  # L^T = R^T diag(sqrt g)
-    out.mq_nudge[:, n + 1:2 * n + 1].copy_(lt)
-    out.mq_nudge[:, 2 * n + 1:].copy_(lt @ lt.T)  # A = L^T L
-    out.b_nudge[:n].copy_(p.biases[-1])
+    lt = torch.cat([f.rot.T * sg, blocks.zero_col], dim=1)  # [L^T | 0], L^T = R^T diag(sqrt g)
+    a = lt[:, :-1] @ lt[:, :-1].T  # A = L^T L
     yc = f.zc * sg  # (K, n) candidates in the Euclidean coordinates
-    torch.mul(yc.T, -2.0, out=out.yc2)
-    torch.sum(yc * yc, dim=1, out=out.cc).add_(out.eps)
-    out.caug[:, :n].copy_(yc @ lt.T).neg_()
-    out.bias.copy_(f.bias)
-    out.neg_scale.copy_(f.neg_scale)
-    return out
+    return FoldedFrame(
+        mq_nudge=torch.cat([blocks.neg_eye, lt, a], dim=1), b_nudge=torch.cat([p.biases[-1], blocks.b_tail]), lt=lt, c=blocks.c,
+        yc2=torch.cat([yc.T * -2.0, f.cc[None]]),  # f.cc = g(c_k, c_k) + eps = |yc_k|^2 + eps
+        caug=torch.cat([f.gzc_t.T @ f.rot, blocks.minus_one], dim=1),  # C = yc L^T = (g * zc) R
+        bias=f.bias, neg_scale=f.neg_scale,
+    )
 
 
 @dataclass
@@ -140,15 +147,19 @@ class Workspace:
     vel_flat: Tensor  # the same as (T R, n)
     zv_hist: Tensor  # (T, R, n + 1) [v L^T | sqrt(eps)] of every step
     zv_flat: Tensor  # the same as (T R, n + 1)
-    out: Tensor  # (R, 3n + 1) [dq | sum w | y | qA] of a nudged step, and views of its blocks
+    out: Tensor  # (R, 3n + 2) [dq | sum w | y | 1 | qA] of a nudged step, and views of its blocks
     dq: Tensor
     dqs: Tensor  # [dq | sum w]
     wsum: Tensor
     y: Tensor
+    y1: Tensor  # [y | 1]
     qa: Tensor
     temp: list[Tensor]  # (R, H_i) new lower hidden layers h_1..h_{M-1} (Jacobi); empty for one hidden layer
     zv: Tensor  # (R, n + 1)
-    ny: Tensor  # (R, 1) |y|, then |y|^2
+    ny: Tensor  # (R, 1) |y|^2
+    y_rows: Tensor  # (R, 1, n), y_cols (R, n, 1) and ny_batch (R, 1, 1): views for |y|^2 as one batched product
+    y_cols: Tensor
+    ny_batch: Tensor
     rspd: Tensor  # (R, K) 1 / spd(q - c_k)
     logit: Tensor  # (R, K)
     pi: Tensor  # (R, K)
@@ -168,7 +179,8 @@ class Workspace:
         def new(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
-        out = new(rows, 3 * n + 1)
+        out, ny = new(rows, 3 * n + 2), new(rows, 1)
+        y = out[:, n + 1:2 * n + 1]
         q_hist, vel, zv_hist = new(steps + 1, rows, n), new(steps, rows, n), new(steps, rows, n + 1)
         spd_hist = new(steps, rows)
         per = rows // len(betas)
@@ -179,8 +191,8 @@ class Workspace:
             beta_sign=beta_sign, beta_col=new(rows, 1), mask_beta=new(rows, k), neg_beta=new(rows, 1), spd_hist=spd_hist, spd_rows=list(spd_hist.unbind(0)),
             q_hist=q_hist, q_rows=list(q_hist.unbind(0)), vel=vel, vel_flat=vel.view(-1, n), zv_hist=zv_hist,
             zv_flat=zv_hist.view(-1, n + 1), out=out, dq=out[:, :n], dqs=out[:, :n + 1], wsum=out[:, n:n + 1],
-            y=out[:, n + 1:2 * n + 1], qa=out[:, 2 * n + 1:], temp=[new(rows, h) for h in sizes[:-2]] if fixed else [],
-            zv=new(rows, n + 1), ny=new(rows, 1), rspd=new(rows, k), logit=new(rows, k), pi=new(rows, k), w=new(rows, k),
+            y=y, y1=out[:, n + 1:2 * n + 2], qa=out[:, 2 * n + 2:], temp=[new(rows, h) for h in sizes[:-2]] if fixed else [],
+            zv=new(rows, n + 1), ny=ny, y_rows=y.unsqueeze(1), y_cols=y.unsqueeze(2), ny_batch=ny.view(rows, 1, 1), rspd=new(rows, k), logit=new(rows, k), pi=new(rows, k), w=new(rows, k),
             py=new(rows, 1),
             force=[] if fixed else [new(rows, h) for h in sizes], gnudge=new(rows, n),
             readout=ReadoutScratch.allocate(rows, n, k, like),
@@ -196,7 +208,7 @@ def fixed_point_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame,
 
     Per step and hidden layer one addmm (two for a layer with a layer above it) and one clamp; q_t is kept in
     ws.q_rows[t]. Free: q_{t+1} = W h_M + b by one addmm (3 ops per step with one hidden layer). Nudged:
-    [dq | 0 | y | qA] from q, W h_M and the readout's pull (from y and qA) added to dq, q_{t+1} = q_t + dq.
+    [dq | 0 | y | 1 | qA] from q, W h_M and the readout's pull (from y and qA) added to dq, q_{t+1} = q_t + dq.
     The steps' spd comes from the q history after the loop, in three operators for all of them. one_hot: every
     label has exactly one candidate (no memory bank), so mask * pi / p_y is the mask itself."""
     s, w_, b_ = ws.state.s, params.weights, params.biases
@@ -207,7 +219,7 @@ def fixed_point_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame,
     for t in range(start, start + steps):
         q, q_new = ws.q_rows[t], ws.q_rows[t + 1]
         if nudged:
-            torch.addmm(fold.b_nudge, q, fold.mq_nudge, out=ws.out)  # [b - q | 0 | y | qA]
+            torch.addmm(fold.b_nudge, q, fold.mq_nudge, out=ws.out)  # [b - q | 0 | y | 1 | qA]
             ws.dq.addmm_(top, wt[last])  # + W h_M into dq alone (y and qA do not see h_M)
         else:
             torch.addmm(b_[last], top, wt[last], out=q_new)  # the minimiser in q: W h_M + b
@@ -241,9 +253,9 @@ def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
     """Adds the readout's pull at the old q to ws.dq: beta_col sum_k w_k (qA - C_k), w_k = (mask_k pi_k / p_y - pi_k)
     / spd_k, from ws.y and ws.qa (beta_col carries -beta beta_r R_sc, see `set_nudge_scale`)."""
     rspd = ws.rspd
-    torch.addmm(fold.cc, ws.y, fold.yc2, out=rspd)  # |yc|^2 + eps - 2 y.yc
-    torch.linalg.vector_norm(ws.y, dim=1, keepdim=True, out=ws.ny).square_()  # (a broadcast addcmul_ is 4x slower)
-    rspd.add_(ws.ny).clamp_(min=0.0).rsqrt_()  # 1 / spd(q - c_k); the clamp guards rounding
+    torch.bmm(ws.y_rows, ws.y_cols, out=ws.ny_batch)  # |y|^2 into ny (one operator; a norm and its square are two)
+    torch.addmm(ws.ny, ws.y1, fold.yc2, out=rspd)  # |y|^2 + |yc|^2 + eps - 2 y.yc
+    rspd.clamp_(min=0.0).rsqrt_()  # 1 / spd(q - c_k); the clamp guards rounding
     torch.addcdiv(fold.bias, fold.neg_scale, rspd, out=ws.logit)  # bias - beta_r R_sc spd
     torch.ops.aten._softmax.out(ws.logit, 1, False, out=ws.pi)
     if one_hot:
@@ -252,7 +264,7 @@ def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
         torch.mul(ws.pi, ws.target_mask, out=ws.w)
         torch.sum(ws.w, dim=1, keepdim=True, out=ws.py)
         ws.w.div_(ws.py).sub_(ws.pi).mul_(rspd).mul_(ws.beta_col)
-    ws.dqs.addmm_(ws.w, fold.caug)  # [dq | 0] += [-w C | sum w]
+    ws.dqs.addmm_(ws.w, fold.caug, alpha=-1.0)  # [dq | 0] += [-w C | sum w]
     ws.dq.addcmul_(ws.wsum, ws.qa)
 
 
