@@ -41,13 +41,13 @@ def test_grad_mode_is_off_and_no_tensor_requires_grad(tmp_path, small_text, monk
         original(self, inputs, targets)
 
     monkeypatch.setattr(BatchStep, "step", spy)
-    trainer = Trainer(fast_config(tmp_path, small_text, max_windows=5), log=lambda *_: None)
+    trainer = Trainer(fast_config(tmp_path, small_text, max_windows=5, memory_capacity=32), log=lambda *_: None)
     trainer.train()
     assert seen == [(False, True)] * 5  # every step in inference mode (grad off, no version counters)
     tensors = [*trainer.machine.named_params().values(), trainer.machine.flat, trainer.updater.state.bufs]
     assert not any(t.requires_grad for t in tensors)
     # What the step updates in place stays an ordinary tensor: a resumed or evaluated run can still write it.
-    assert not any(t.is_inference() for t in [*tensors, *trainer.updater.state.power_vecs, trainer.updater.metrics.values])
+    assert not any(t.is_inference() for t in trainer.state_tensors().values())
 
 
 def test_package_never_uses_autograd_or_torch_optim():

@@ -149,11 +149,10 @@ def project_constraints(m: Machine, cfg: TrainConfig, power_vecs: list[Tensor]) 
     r.theta.add_(math.pi).remainder_(2 * math.pi).sub_(math.pi)
     cap = coupling_cap(cfg)
     for w, u in zip(couplings(m), power_vecs):
-        # Two steps u <- W W^T u. Only the direction matters until the last, so only that one is normalised:
-        # the unnormalised product is at most |W|^2 |u|, about cap^2 < 1 after every projection.
-        v = torch.mv(w.T, torch.mv(w, torch.mv(w.T, u)))
-        v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
-        torch.mv(w, v, out=u)
-        sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)  # |W v| = u'^T W v for u' = W v / |W v|
-        u.div_(sigma)
+        for _ in range(2):  # each product normalised, so a coupling of any scale keeps u a unit vector
+            v = torch.mv(w.T, u)
+            v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
+            torch.mv(w, v, out=u)
+            sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)  # |W v| = u'^T W v for u' = W v / |W v|
+            u.div_(sigma)
         w.mul_(torch.div(cap, sigma).clamp_(max=1.0))

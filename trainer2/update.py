@@ -64,8 +64,9 @@ def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor | Non
     ok = torch.isfinite(grad.sum()).to(param.dtype)
     if decay is not None:
         grad.addcmul_(decay, param)
-    # All zeros (NaN and inf included) when dropped, else unchanged: two cheap passes (masked_fill_ with a 0-dim
-    # mask takes a slow path, 3x their time)
+    # All zeros (NaN and inf included) when dropped, else unchanged (except that an entry made non-finite by the decay
+    # of an already non-finite parameter becomes 0): two cheap passes, where masked_fill_ with a 0-dim mask takes a
+    # slow path at 3x their time
     grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(ok)
     mu = cfg.momentum
     if cfg.update_rule == "momentum":
