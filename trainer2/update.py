@@ -152,7 +152,8 @@ class Updater:
         })
 
     def count(self, value: int) -> Tensor:
-        """A 0-dim constant on the device, made on first use (before any graph capture) and then reused."""
+        """A 0-dim constant on the device, made on first use (before any graph capture) and then reused; made inside the
+        step, it is an inference tensor, which is fine because nothing ever writes to it."""
         if value not in self.counts:
             self.counts[value] = torch.tensor(float(value), dtype=self.table.flat.dtype, device=self.table.flat.device)
         return self.counts[value]
