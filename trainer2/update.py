@@ -64,16 +64,13 @@ def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor | Non
     ok = torch.isfinite(grad.sum()).to(param.dtype)
     if decay is not None:
         grad.addcmul_(decay, param)
-    # All zeros (NaN and inf included) when dropped, else unchanged (except that an entry made non-finite by the decay
-    # of an already non-finite parameter becomes 0): two cheap passes, where masked_fill_ with a 0-dim mask takes a
-    # slow path at 3x their time
+    # All zeros when dropped (NaN and inf too), else unchanged but for entries that decay of a non-finite parameter made
+    # non-finite; two passes cost a third of masked_fill_ with a 0-dim mask
     grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(ok)
     mu = cfg.momentum
     if cfg.update_rule == "momentum":
         st.bufs.mul_(1.0 + ok * (mu - 1.0)).add_(grad)  # decay by momentum, or keep when dropped (grad is 0 then)
         torch.mul(st.bufs, st.lr * ok, out=step)
-        if mult is not None:
-            step.mul_(mult)
     else:
         b2 = cfg.adam_beta2
         st.count.add_(ok)
@@ -84,8 +81,8 @@ def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor | Non
         # lr * mult * (buf / bc1) / (sqrt(sq / bc2) + eps), with the bias corrections moved onto scalars
         torch.sqrt(st.sq, out=step).add_(root_bc2 * cfg.adam_eps)
         torch.div(st.bufs, step, out=step).mul_(st.lr * ok * root_bc2 / (1.0 - mu**t))
-        if mult is not None:
-            step.mul_(mult)
+    if mult is not None:
+        step.mul_(mult)
     param.sub_(step)
     st.dropped.add_(1.0 - ok)
     return ok

@@ -115,8 +115,9 @@ def fold_frame(p: EnergyParams, f: ReadoutFrame, blocks: FoldBlocks) -> FoldedFr
     """Per batch (outside the window): the top coupling's bias and the readout frame folded for the fixed-point
     step, in a dozen operators (a product or concatenation each; it ran 26 when it refilled preallocated blocks)."""
     sg = f.g.sqrt()
-    lt = torch.cat([f.rot.T * sg, blocks.zero_col], dim=1)  # [L^T | 0], L^T = R^T diag(sqrt g)
-    a = lt[:, :-1] @ lt[:, :-1].T  # A = L^T L
+    l_t = f.rot.T * sg  # L^T = R^T diag(sqrt g)
+    lt = torch.cat([l_t, blocks.zero_col], dim=1)  # [L^T | 0]
+    a = l_t @ l_t.T  # A = L^T L
     yc = f.zc * sg  # (K, n) candidates in the Euclidean coordinates
     return FoldedFrame(
         mq_nudge=torch.cat([blocks.neg_eye, lt, a], dim=1), b_nudge=torch.cat([p.biases[-1], blocks.b_tail]), lt=lt, c=blocks.c,
