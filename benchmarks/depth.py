@@ -39,7 +39,7 @@ from trainer2.trainer import Trainer, lr_at  # noqa: E402
 def settle_profile(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor, steps: int) -> tuple[list[float], list[float]]:
     """Free phase of `steps` steps from rest with the trainer's own window: per step, the batch-mean spd and the
     largest |s_t - s_{t-1}| over every state coordinate."""
-    cfg = trainer.cfg.model_copy(update={"tbptt_window_steps": steps})
+    cfg = trainer.cfg.model_copy(update={"free_steps": steps})
     relax = Relaxation(trainer.machine, cfg, inputs.shape[0])
     prev = [torch.zeros_like(t) for t in relax.ws.state.s]
     moved: list[float] = []
@@ -96,7 +96,7 @@ def run_depth(args: argparse.Namespace, depth: int, ck_dir: str) -> tuple[dict[s
     detail: dict[str, list[float]] = {}
 
     def probes(tag: str) -> None:
-        s = settle_summary(*settle_profile(trainer, probe_in, probe_tg, args.settle_steps), cfg.tbptt_window_steps, cfg.eps)
+        s = settle_summary(*settle_profile(trainer, probe_in, probe_tg, args.settle_steps), cfg.free_steps, cfg.eps)
         row.update({f"{k}_{tag}": v for k, v in s.items()})
         cos = measure(trainer, args.cosine_batches, args.true_steps, per_param=True)
         row[f"cos_{tag}"] = cos["all"]
@@ -142,7 +142,7 @@ def main() -> None:
     p.add_argument("--cosine_batches", type=int, default=2)
     p.add_argument("--true_steps", type=int, default=400, help="relaxation steps of the converged autograd reference")
     p.add_argument("--probe_every", type=int, default=50, help="windows between update-norm probes")
-    p.add_argument("extra", nargs="*", help="more trainer flags after --, e.g. -- --tbptt_window_steps 24")
+    p.add_argument("extra", nargs="*", help="more trainer flags after --, e.g. -- --free_steps 24")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as ck_dir:

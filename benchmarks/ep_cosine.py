@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.autograd_reference import cosine, exact_grads  # noqa: E402
 from trainer2.cli import train_parser  # noqa: E402
 from trainer2.flags import resolve_config  # noqa: E402
-from trainer2.params import param_group  # noqa: E402
 from trainer2.machine import move_machine  # noqa: E402
 from trainer2.trainer import Trainer  # noqa: E402
 
@@ -45,7 +44,7 @@ def measure(trainer: Trainer, batches: int, true_steps: int, per_param: bool = F
         ref, _ = exact_grads(to_float64(trainer.machine), inputs.cpu(), targets.cpu(), true_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
         groups: dict[str, tuple[list, list]] = {}
         for n, g in est.items():
-            a, b = groups.setdefault(param_group(n), ([], []))
+            a, b = groups.setdefault(trainer.machine.param_groups()[n], ([], []))
             a.append(g.double().cpu().flatten())
             b.append(ref[n].flatten())
         groups["all"] = ([x for v in groups.values() for x in v[0]], [x for v in groups.values() for x in v[1]])
@@ -69,7 +68,7 @@ def main() -> None:
     cfg = resolve_config(train_parser().parse_args(["--preset", args.preset, "--device", "cpu", "--run_name", f"ep_cosine_{args.preset}",
                                                     "--max_windows", str(max(1, args.train_windows)), "--eval_batches", "2", *hidden]))
     trainer = Trainer(cfg, log=lambda *_: None)
-    print(f"preset {args.preset}, hidden {cfg.hidden_sizes}: T_free={cfg.tbptt_window_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, "
+    print(f"preset {args.preset}, layers {cfg.layers}: T_free={cfg.free_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, "
           f"symmetric={cfg.symmetric_nudge}, dtype={cfg.dtype}; reference: {args.true_steps} steps, float64")
     rows = [("init", measure(trainer, args.batches, args.true_steps, args.per_param))]
     if args.train_windows:

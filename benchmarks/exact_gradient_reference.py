@@ -35,7 +35,6 @@ from trainer2.evaluation import EVAL_BATCH  # noqa: E402
 from trainer2.geometry import ReadoutScratch, target_mask, readout_frame, readout_loss_and_grads  # noqa: E402
 from trainer2.gradients import StepResult  # noqa: E402
 from trainer2.machine import Machine, project_constraints  # noqa: E402
-from trainer2.params import param_group  # noqa: E402
 from trainer2.relaxation import Relaxation, WindowStats  # noqa: E402
 from trainer2.trainer import Trainer, lr_at  # noqa: E402
 
@@ -51,7 +50,7 @@ def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepR
         stats = relax.free_stats()
         loss, probs = relax.readout_scores(free)
     with relax.phase("update"), torch.inference_mode(False):  # the step runs in inference mode; autograd needs it off
-        exact, _ = exact_grads(m, inputs, targets, cfg.tbptt_window_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+        exact, _ = exact_grads(m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
     return StepResult(exact, loss, probs, WindowStats(**stats, lior_nudge=torch.zeros_like(stats["lior_mean"])))
 
 
@@ -101,7 +100,8 @@ def train_feedforward(cfg: TrainConfig, examples: int, act: str = "relu", head_k
         head = [torch.randn(m.num_classes, cfg.coord_dim_n, generator=gen, dtype=dtype) / math.sqrt(cfg.coord_dim_n), torch.zeros(m.num_classes, dtype=dtype)]
     named = {**m.named_params(), **({"head.weight": head[0], "head.bias": head[1]} if head else {})}
     scale = {"energy": 1.0, "readout": cfg.eta_readout_scale, "embed": cfg.eta_embed_scale}
-    groups = [{"params": [p], "mult": scale[param_group(n)]} for n, p in named.items()]
+    group_of = {**m.param_groups(), "head.weight": "readout", "head.bias": "readout"}
+    groups = [{"params": [p], "mult": scale[group_of[n]]} for n, p in named.items()]
     for g in groups:
         g["params"][0].requires_grad_(True)
     opt = torch.optim.Adam(groups, lr=cfg.eta_update, betas=(cfg.momentum, cfg.adam_beta2), eps=cfg.adam_eps)

@@ -64,11 +64,11 @@ def main() -> None:
     cfg = benchmark_config(args.preset, args.examples, flags)
     quiet = lambda *_: None  # noqa: E731
     print(f"preset {args.preset}: {cfg.max_windows} windows x {cfg.batch_size} = {cfg.max_windows * cfg.batch_size} examples per run; "
-          f"T_free={cfg.tbptt_window_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, symmetric={cfg.symmetric_nudge}", flush=True)
+          f"T_free={cfg.free_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, symmetric={cfg.symmetric_nudge}", flush=True)
     res: dict[str, dict] = {}
     ep = Trainer(cfg, log=quiet)
     res["ep"] = run(ep)
-    cos = measure(ep, args.cosine_batches, cfg.tbptt_window_steps)
+    cos = measure(ep, args.cosine_batches, cfg.free_steps)
     if "exact" not in args.skip:
         res["exact"] = run(exact_trainer(cfg.model_copy(update={"run_name": "quality_exact"}), log=quiet))
     if "ff" not in args.skip:

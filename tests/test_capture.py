@@ -22,12 +22,12 @@ from trainer2.trainer import Trainer
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (python -m benchmarks.gpu_checks on one)")
 V = 7
-SHORT = {"tbptt_window_steps": 2, "nudge_steps": 1}  # compile time grows with the unrolled steps
+SHORT = {"free_steps": 2, "nudge_steps": 1}  # compile time grows with the unrolled steps
 
 
 def fresh_step(device: str = "cpu", gradients: GradientSource = ep_gradients, **overrides) -> BatchStep:
     """A batch step with a memory bank, so the step also writes memory; identical for identical arguments."""
-    cfg = tiny_config(**{"tbptt_window_steps": 6, "nudge_steps": 3, "beta_nudge": 0.05, "memory_capacity": 12, **overrides})
+    cfg = tiny_config(**{"free_steps": 6, "nudge_steps": 3, "beta_nudge": 0.05, "memory_capacity": 12, **overrides})
     m = move_machine(tiny_machine(cfg, V), torch.device(device))
     mem = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, m.readout.protos)
     return build_step(m, cfg, cfg.batch_size, mem, gradients)
@@ -165,7 +165,7 @@ def test_trainer_runs_the_step_through_the_runner(small_text, tmp_path):
     """Graph flags on a CPU machine: one warning, and the same run as without them."""
     def train(**flags) -> tuple[Trainer, list[str]]:
         logs: list[str] = []
-        cfg = tiny_config(data=str(small_text), dtype="float32", batch_size=8, max_windows=3, tbptt_window_steps=5, nudge_steps=3,
+        cfg = tiny_config(data=str(small_text), dtype="float32", batch_size=8, max_windows=3, free_steps=5, nudge_steps=3,
                           beta_nudge=0.05, eval_batches=1, log_every_windows=3, checkpoint_dir=str(tmp_path), device="cpu", **flags)
         t = Trainer(cfg, log=logs.append)
         t.train()
@@ -182,7 +182,7 @@ def test_trainer_runs_the_step_through_the_runner(small_text, tmp_path):
 def test_bench_times_every_mode_in_one_run(small_text):
     from trainer2.bench import run as bench
 
-    rows, table = bench(["--data", str(small_text), "--hidden_sizes", "8", "--tbptt_window_steps", "3", "--nudge_steps", "2",
+    rows, table = bench(["--data", str(small_text), "--hidden_sizes", "8", "--free_steps", "3", "--nudge_steps", "2",
                          "--device", "cpu", "--modes", "eager", "graph", "--batch_sizes", "4", "--windows", "2"])
     eager, graph = rows
     assert (eager.batch, eager.mode) == (4, "eager") and eager.windows_per_s > 0

@@ -16,7 +16,7 @@ from trainer2.config import TrainConfig
 from trainer2.trainer import Trainer
 
 TINY = dict(hidden_sizes=[8], coord_dim_n=4, rotor_k=3, context_len=3, embed_dim=3, batch_size=8,
-            tbptt_window_steps=4, nudge_steps=2, log_every_windows=10, eval_every_windows=10, eval_batches=2,
+            free_steps=4, nudge_steps=2, log_every_windows=10, eval_every_windows=10, eval_batches=2,
             memory_capacity=16, lr_warmup_windows=5, max_windows=40)
 
 
@@ -224,7 +224,7 @@ def test_mismatched_model_field_is_refused_naming_both_values(tmp_path, saved, c
     base = ["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "r"]
     assert main([*base, "--hidden_sizes", "16", "--context_len", "4"]) == 2
     err = capsys.readouterr().err
-    assert "hidden_sizes: checkpoint has [8], requested [16]" in err
+    assert "layers: checkpoint has [{'dense': 8}], requested [{'dense': 16}]" in err
     assert "context_len: checkpoint has 3, requested 4" in err
     # Run-steering fields may change.
     assert main([*base, "--max_windows", "11", "--log_every_windows", "1", "--eval_every_windows", "0", "--keep_last", "1"]) == 0
@@ -241,7 +241,7 @@ def test_every_field_is_either_fixed_or_free_on_resume():
     fields = set(TrainConfig.model_fields)
     assert ck.RESUME_FREE_FIELDS <= fields
     assert set(ck.fixed_fields()) | ck.RESUME_FREE_FIELDS == fields
-    for f in ("hidden_sizes", "coord_dim_n", "context_len", "embed_dim", "data", "dtype", "memory_capacity", "seed"):
+    for f in ("layers", "free_steps", "coord_dim_n", "context_len", "embed_dim", "data", "dtype", "memory_capacity", "seed"):
         assert f in ck.fixed_fields(), f
     # batch_size is per process: the global batch (batch_size x world size) is checked instead (next test).
     for f in ("max_windows", "max_epochs", "log_every_windows", "eval_every_windows", "device", "use_cudagraphs", "keep_last", "batch_size"):

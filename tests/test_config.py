@@ -83,7 +83,7 @@ def test_capture_batch_size_alone_sets_the_batch_size():
 
 def test_boolean_flags_take_no_prefix_and_optional_ints_take_none():
     cfg = config_from(["--no-symmetric_nudge", "--eval_batches", "none", "--hidden_sizes", "32", "16"])
-    assert cfg.symmetric_nudge is False and cfg.eval_batches is None and cfg.hidden_sizes == [32, 16]
+    assert cfg.symmetric_nudge is False and cfg.eval_batches is None and cfg.layers == [{"dense": 32}, {"dense": 16}]
 
 
 @pytest.mark.parametrize("name", ["dev", "production", "deep", "profiling"])
@@ -150,10 +150,15 @@ def test_error_messages_cap_the_offending_input():
     with pytest.raises(ConfigError) as e:
         build_config([("test", {"run_name": "a/" * 100_000})])
     assert "run_name" in str(e.value) and len(str(e.value)) < 800
-    # 10,000 bad list items: the first few errors are listed, then a count.
+    # 10,000 bad list items: refused by a message that shows a few of them.
     with pytest.raises(ConfigError) as e:
         build_config([("test", {"hidden_sizes": ["x"] * 10_000})])
-    assert "... and 9990 more" in str(e.value) and len(str(e.value)) < 3000
+    assert "hidden_sizes" in str(e.value) and len(str(e.value)) < 800
+    # Many bad fields: the first few errors are listed, then a count.
+    numeric = [f for f, info in TrainConfig.model_fields.items() if info.annotation in (int, float)]
+    with pytest.raises(ConfigError) as e:
+        build_config([("test", {f: "x" for f in numeric})])
+    assert f"... and {len(numeric) - 10} more" in str(e.value) and len(str(e.value)) < 3000
 
 
 @pytest.mark.parametrize("line, field", [
@@ -260,8 +265,8 @@ def test_print_config_shows_every_layer_and_reads_no_data(tmp_path, capsys):
     assert build_config([("printed", yaml.safe_load(out))]) == config_from(argv).model_copy(update={"run_name": "dev-1"})
     assert list(comments) == list(TrainConfig.model_fields)
     dev = str(preset_dir() / "dev.yaml")
-    assert comments["tbptt_window_steps"] == comments["lr_schedule"] == f"preset {dev}"
-    assert comments["batch_size"] == comments["hidden_sizes"] == f"config {over}"
+    assert comments["free_steps"] == comments["lr_schedule"] == f"preset {dev}"
+    assert comments["batch_size"] == comments["layers"] == f"config {over}"
     assert comments["seed"] == comments["data"] == comments["checkpoint_dir"] == "command line"
     assert comments["dt"] == comments["rotor_k"] == ""  # defaults carry no comment
     assert comments["run_name"] == "a fresh run name"  # the one this run would get: dev-1
@@ -278,13 +283,13 @@ def test_print_config_with_resume_shows_the_checkpoint_layer(tmp_path, small_tex
     ck_dir = tmp_path / "ck"
     base = ["--data", str(small_text), "--checkpoint_dir", str(ck_dir), "--run_name", "r", "--hidden_sizes", "8",
             "--coord_dim_n", "4", "--rotor_k", "3", "--context_len", "3", "--embed_dim", "3", "--batch_size", "8",
-            "--tbptt_window_steps", "3", "--nudge_steps", "2", "--max_windows", "2", "--eval_batches", "1"]
+            "--free_steps", "3", "--nudge_steps", "2", "--max_windows", "2", "--eval_batches", "1"]
     assert main(base) == 0
     capsys.readouterr()
     files = sorted(p for p in ck_dir.rglob("*"))
     out, comments = printed(capsys, ["--resume", "latest", "--checkpoint_dir", str(ck_dir), "--run_name", "r", "--max_windows", "5"])
     step = ck_dir / "r" / "step_00000002"
-    assert comments["hidden_sizes"] == comments["batch_size"] == f"checkpoint {step}"
+    assert comments["layers"] == comments["batch_size"] == f"checkpoint {step}"
     assert comments["max_windows"] == comments["run_name"] == "command line"
     assert yaml.safe_load(out)["max_windows"] == 5
     assert sorted(p for p in ck_dir.rglob("*")) == files  # nothing written
@@ -293,7 +298,7 @@ def test_print_config_with_resume_shows_the_checkpoint_layer(tmp_path, small_tex
 def test_cpu_threads_are_set_where_the_device_is_resolved():
     import torch
 
-    from trainer2.evaluation import resolve_device
+    from trainer2.parts import resolve_device
 
     before = torch.get_num_threads()
     try:
@@ -306,3 +311,54 @@ def test_cpu_threads_are_set_where_the_device_is_resolved():
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="cpu_threads"):
         build_config([("command line", {"cpu_threads": -1})])
+
+
+def test_layers_describe_the_architecture_and_hidden_sizes_is_their_shorthand(tmp_path):
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("layers: [{dense: 32}, {dense: 16}]\n")
+    from_yaml = build_config([("config", read_yaml(yaml_file))])
+    assert from_yaml.layers == [{"dense": 32}, {"dense": 16}]
+    assert config_from(["--layers", "dense:32", "dense:16"]).layers == from_yaml.layers
+    assert config_from(["--hidden_sizes", "32", "16"]).layers == from_yaml.layers
+    assert TrainConfig(hidden_sizes=[32, 16]).layers == from_yaml.layers  # a checkpoint's saved config, too
+    # a higher layer's shorthand overrides a lower layer's list, and the other way round
+    assert build_config([("preset", {"layers": [{"dense": 8}]}), ("flags", {"hidden_sizes": [4]})]).layers == [{"dense": 4}]
+    assert build_config([("preset", {"hidden_sizes": [4]}), ("flags", {"layers": [{"dense": 8}]})]).layers == [{"dense": 8}]
+
+
+@pytest.mark.parametrize("layers, words", [
+    ([{"conv": 3}], "kind in ['dense']"),
+    ([{"dense": 0}], "integer >= 1"),
+    ([{"dense": 8, "other": 2}], "one {kind: spec} entry"),
+    ([], "at least 1"),
+])
+def test_a_bad_layer_is_refused_naming_it(layers, words):
+    with pytest.raises(ConfigError) as e:
+        build_config([("test", {"layers": layers})])
+    assert "layers" in str(e.value) and words in str(e.value)
+
+
+def test_a_bad_layers_flag_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        config_from(["--layers", "dense256"])
+    assert "KIND:SIZE" in capsys.readouterr().err
+
+
+def test_the_old_name_of_free_steps_still_works_with_a_note(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("tbptt_window_steps: 7\n")
+    with pytest.warns(FutureWarning, match="tbptt_window_steps is now called free_steps"):
+        assert build_config([(f"config {old}", read_yaml(old))]).free_steps == 7
+    with pytest.warns(FutureWarning):
+        assert config_from(["--tbptt_window_steps", "9"]).free_steps == 9
+    with pytest.raises(ConfigError, match="old name of free_steps"), pytest.warns(FutureWarning):
+        build_config([("test", {"tbptt_window_steps": 7, "free_steps": 8})])
+    with pytest.raises(ConfigError, match="shorthand for layers"):
+        build_config([("test", {"hidden_sizes": [7], "layers": [{"dense": 8}]})])
+
+
+def test_the_command_line_shows_the_rename_as_one_note(capsys):
+    assert main(["--tbptt_window_steps", "9", "--print_config"]) == 0
+    captured = capsys.readouterr()
+    assert "free_steps: 9  # command line" in captured.out
+    assert captured.err == "trainer2: note: tbptt_window_steps is now called free_steps (command line); the old name still works\n"

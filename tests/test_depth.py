@@ -10,7 +10,12 @@ import torch
 
 from tests.tiny import tiny_config
 from trainer2.energy import energy
-from trainer2.machine import Machine, build_machine, coupling_cap, couplings, project_constraints
+from trainer2.machine import Machine, build_machine, coupling_cap, project_constraints
+
+
+def coupling_weights(m: Machine) -> list[torch.Tensor]:
+    """The weights of the couplings between state layers (W_2 .. W_out), the ones the spectral cap bounds."""
+    return [c.weight for c in m.energy.between_states]
 
 
 def hessian(m: Machine) -> torch.Tensor:
@@ -19,7 +24,7 @@ def hessian(m: Machine) -> torch.Tensor:
     sizes = m.state_sizes()
     starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     h = torch.eye(starts[-1], dtype=torch.float64)
-    for i, w in enumerate(couplings(m)):  # couples state layer i and i + 1
+    for i, w in enumerate(coupling_weights(m)):  # couples state layer i and i + 1
         lo, hi = slice(starts[i], starts[i + 1]), slice(starts[i + 1], starts[i + 2])
         h[hi, lo] -= w.double()
         h[lo, hi] -= w.double().T
@@ -59,7 +64,7 @@ def aligned(hidden: list[int], c: float) -> Machine:
     """The worst case: equal widths, every coupling c e e^T with one unit vector e, so K = c A_path (x) e e^T."""
     _, m = deep(hidden, coord=hidden[0])
     e = torch.nn.functional.normalize(torch.arange(1.0, hidden[0] + 1, dtype=torch.float64), dim=0)
-    for w in couplings(m):
+    for w in coupling_weights(m):
         w.copy_(c * torch.outer(e, e))
     return m
 
@@ -78,7 +83,7 @@ def test_aligned_machine_after_projection_has_curvature_one_minus_cap(depth):
     """The bound is tight: the aligned worst case, projected, sits exactly at 1 - spectral_cap."""
     cfg, _ = deep([6] * depth, coord=6)
     m = aligned([6] * depth, 2.0)
-    vecs = [torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=torch.float64), dim=0) for w in couplings(m)]
+    vecs = [torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=torch.float64), dim=0) for w in coupling_weights(m)]
     project_constraints(m, cfg, vecs)  # rank one: two power steps find sigma exactly
     assert smallest_curvature(m) == pytest.approx(1 - cfg.spectral_cap, abs=1e-9)
 
@@ -90,15 +95,15 @@ def test_random_deep_machine_stays_convex_after_projection(hidden):
     curvature is at least 1 - spectral_cap (with the old per-coupling rule it is below 0.3 - 0.1)."""
     cfg, m = deep(hidden)
     gen = torch.Generator().manual_seed(len(hidden))
-    for w in couplings(m):
+    for w in coupling_weights(m):
         top = torch.zeros(w.shape, dtype=torch.float64)
         top[0, 0] = 1.0
         w.copy_(5.0 * top + torch.randn(w.shape, generator=gen, dtype=torch.float64) / math.sqrt(w.shape[1]))
     assert smallest_curvature(m) < -1
-    vecs = [torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=torch.float64), dim=0) for w in couplings(m)]
+    vecs = [torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=torch.float64), dim=0) for w in coupling_weights(m)]
     for _ in range(30):  # two power steps per call, as after every update
         project_constraints(m, cfg, vecs)
-    norms = [float(torch.linalg.matrix_norm(w, ord=2)) for w in couplings(m)]
+    norms = [float(torch.linalg.matrix_norm(w, ord=2)) for w in coupling_weights(m)]
     assert max(norms) <= coupling_cap(cfg) * (1 + 1e-9)
     assert smallest_curvature(m) >= 1 - cfg.spectral_cap - 1e-9
 
@@ -108,6 +113,6 @@ def test_deep_initialisation_starts_convex(hidden):
     """A uniform(1/sqrt(fan_in)) 256 x 256 coupling has spectral norm about 1.15; the build scales it to the cap."""
     cfg = tiny_config(hidden_sizes=hidden, coord_dim_n=16, spectral_cap=0.7, dtype="float32")
     m = build_machine(cfg, 7, cfg.context_len, True, torch.device("cpu"))
-    norms = [float(torch.linalg.matrix_norm(w.double(), ord=2)) for w in couplings(m)]
+    norms = [float(torch.linalg.matrix_norm(w.double(), ord=2)) for w in coupling_weights(m)]
     assert max(norms) <= coupling_cap(cfg) * (1 + 1e-6)
     assert smallest_curvature(m) >= 1 - cfg.spectral_cap - 1e-6

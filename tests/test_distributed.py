@@ -32,7 +32,7 @@ WINDOWS = 20
 # Tiny and fast: most of each run is starting Python and torch. Heavy-ball momentum, not Adam: Adam's first
 # steps are sign-like, so it turns the rounding noise of a near-zero gradient (the rotor angles start at 0)
 # into steps of size lr, and per-tensor comparisons of two equally valid runs would measure that noise.
-TINY = dict(hidden_sizes=[16], coord_dim_n=4, rotor_k=3, context_len=3, embed_dim=3, tbptt_window_steps=4, nudge_steps=2,
+TINY = dict(hidden_sizes=[16], coord_dim_n=4, rotor_k=3, context_len=3, embed_dim=3, free_steps=4, nudge_steps=2,
             update_rule="momentum", max_windows=WINDOWS, log_every_windows=5, eval_every_windows=0, device="cpu")
 TOL = {"float32": 1e-5, "float64": 1e-10}
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds a rank's process through /proc")

@@ -17,7 +17,7 @@ def ep_and_exact(**overrides):
     inputs, targets = tiny_batch(cfg)
     with torch.no_grad():
         est = ep_gradients(Relaxation(m, cfg, cfg.batch_size), inputs, targets)
-    ref, _ = exact_grads(m, inputs, targets, cfg.tbptt_window_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+    ref, _ = exact_grads(m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
     assert list(est.grads) != [] and set(est.grads) == set(m.named_params())  # one gradient per named parameter
     return est.grads, ref
 
@@ -36,7 +36,7 @@ def test_symmetric_ep_matches_autograd_with_the_default_sharp_readout():
 
 
 def test_ep_matches_autograd_with_heavy_ball_integrator():
-    est, ref = ep_and_exact(beta_nudge=1e-2, dt=0.5, gamma=1.2, tbptt_window_steps=300, nudge_steps=300)
+    est, ref = ep_and_exact(beta_nudge=1e-2, dt=0.5, gamma=1.2, free_steps=300, nudge_steps=300)
     for name, g in est.items():
         assert cosine(g, ref[name]) > 0.999, name
 

@@ -154,7 +154,7 @@ def test_ctrl_c_before_training_starts_is_not_a_traceback_and_leaves_no_director
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("trainer2.trainer.load_dataset", interrupted)
+    monkeypatch.setattr("trainer2.parts.load_dataset", interrupted)
     assert main(flags(tmp_path, small_text, run_name="early")) == 130
     assert "interrupted" in capsys.readouterr().err
     assert not run_dir(tmp_path, "early").exists()  # the directory the lock created held nothing: removed
@@ -457,7 +457,7 @@ def test_a_free_phase_that_does_not_settle_is_warned_about_once(tmp_path, small_
     Trainer(config(tmp_path, small_text, run_name="osc", dt=1.9, gamma=0.0, max_windows=20, log_every_windows=2), log=quiet_but).train()
     warnings = [m for m in said if "does not settle" in m]
     assert len(warnings) == 1
-    for field in ("tbptt_window_steps", "dt", "gamma", "spectral_cap"):
+    for field in ("free_steps", "dt", "gamma", "spectral_cap"):
         assert field in warnings[0]
     said.clear()
     Trainer(config(tmp_path, small_text, run_name="calm", max_windows=20, log_every_windows=2), log=quiet_but).train()

@@ -12,7 +12,7 @@ from trainer2.config import TrainConfig
 from trainer2.trainer import Trainer
 
 TINY = ["--hidden_sizes", "16", "--coord_dim_n", "4", "--rotor_k", "4", "--batch_size", "20",
-        "--tbptt_window_steps", "24", "--nudge_steps", "12", "--log_every_windows", "20"]
+        "--free_steps", "24", "--nudge_steps", "12", "--log_every_windows", "20"]
 
 
 def blobs(path, seed: int = 0) -> str:
@@ -27,7 +27,7 @@ def blobs(path, seed: int = 0) -> str:
 
 def test_separable_blobs_reach_high_heldout_accuracy(tmp_path) -> None:
     cfg = TrainConfig(data=blobs(tmp_path / "blobs.npz"), dtype="float64", hidden_sizes=[16], coord_dim_n=4, rotor_k=4,
-                      batch_size=20, tbptt_window_steps=24, nudge_steps=12, max_windows=60, eta_update=0.02,
+                      batch_size=20, free_steps=24, nudge_steps=12, max_windows=60, eta_update=0.02,
                       checkpoint_dir=str(tmp_path))
     t = Trainer(cfg, log=lambda *_: None)
     assert t.machine.emb is None and t.machine.energy.weights[0].shape == (16, 4)  # x is clamped directly

@@ -82,7 +82,7 @@ def test_empty_slot_at_the_query_never_wins() -> None:
 
 
 def test_empty_bank_trains_exactly_like_no_bank() -> None:
-    cfg = tiny_config(tbptt_window_steps=40, nudge_steps=40, beta_nudge=1e-2)
+    cfg = tiny_config(free_steps=40, nudge_steps=40, beta_nudge=1e-2)
     inputs, targets = tiny_batch(cfg)
     with torch.no_grad():
         plain = ep_gradients(Relaxation(tiny_machine(cfg), cfg, cfg.batch_size), inputs, targets)
@@ -95,7 +95,7 @@ def test_empty_bank_trains_exactly_like_no_bank() -> None:
 
 
 def test_step_writes_the_free_equilibrium_after_the_update() -> None:
-    cfg = tiny_config(tbptt_window_steps=20, nudge_steps=10, memory_capacity=12)
+    cfg = tiny_config(free_steps=20, nudge_steps=10, memory_capacity=12)
     m = tiny_machine(cfg)
     b = bank(capacity=12, batch=cfg.batch_size, n=cfg.coord_dim_n)
     step = build_step(m, cfg, cfg.batch_size, b)
@@ -108,7 +108,7 @@ def test_step_writes_the_free_equilibrium_after_the_update() -> None:
 
 def test_bank_round_trips_through_safetensors(tmp_path) -> None:
     # The checkpoint module (another branch) saves MemoryBank.tensors() with safetensors and copies them back in place.
-    cfg = tiny_config(tbptt_window_steps=20, nudge_steps=10, memory_capacity=13)
+    cfg = tiny_config(free_steps=20, nudge_steps=10, memory_capacity=13)
     b = bank(capacity=13, batch=cfg.batch_size, n=cfg.coord_dim_n)
     step = build_step(tiny_machine(cfg), cfg, cfg.batch_size, b)
     with torch.no_grad():

@@ -20,7 +20,7 @@ from trainer2.relaxation import Relaxation
 from trainer2.trainer import Trainer, lr_at
 from trainer2.update import Updater
 
-FAST = dict(hidden_sizes=[16], coord_dim_n=4, rotor_k=4, context_len=3, embed_dim=3, batch_size=16, tbptt_window_steps=12,
+FAST = dict(hidden_sizes=[16], coord_dim_n=4, rotor_k=4, context_len=3, embed_dim=3, batch_size=16, free_steps=12,
             nudge_steps=6, beta_nudge=0.003, r_init=4.0, proto_init_scale=0.3, log_every_windows=10, eval_every_windows=20,
             eval_batches=2, eta_update=0.01, max_windows=40)
 
@@ -30,13 +30,13 @@ def fast_config(tmp_path, data, **overrides):
 
 
 def test_exact_gradient_source_is_autograds_gradient():
-    cfg = tiny_config(beta_nudge=1e-3, tbptt_window_steps=60, nudge_steps=60)
+    cfg = tiny_config(beta_nudge=1e-3, free_steps=60, nudge_steps=60)
     m = tiny_machine(cfg)
     inputs, targets = tiny_batch(cfg)
     with torch.no_grad():
         ep = ep_gradients(Relaxation(m, cfg, cfg.batch_size), inputs, targets)
         ex = exact_gradients(Relaxation(m, cfg, cfg.batch_size), inputs, targets)
-    ref, loss = exact_grads(m, inputs, targets, cfg.tbptt_window_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+    ref, loss = exact_grads(m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
     assert ex.grads.keys() == ep.grads.keys() == set(m.named_params())
     for name, g_ex in ex.grads.items():
         torch.testing.assert_close(g_ex, ref[name])  # the autograd gradient itself, parameter by parameter
@@ -139,7 +139,7 @@ def test_production_preset_ep_update_tracks_the_exact_gradient():
     inputs, targets = trainer.next_batch()
     with torch.no_grad():
         est = trainer.gradients(trainer.relaxation, inputs, targets).grads
-    ref, _ = exact_grads(trainer.machine, inputs, targets, cfg.tbptt_window_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+    ref, _ = exact_grads(trainer.machine, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
     keep = [n for n in est if n[:2] in ("W_", "b_", "em")]
     a = torch.cat([est[n].flatten() for n in keep])
     b = torch.cat([ref[n].flatten() for n in keep])

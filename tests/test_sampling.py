@@ -19,7 +19,7 @@ from trainer2.trainer import Trainer
 def trained(small_text, tmp_path) -> Trainer:
     """A tiny machine with a memory bank, trained for a few windows on the small text."""
     cfg = TrainConfig(data=str(small_text), device="cpu", dtype="float64", hidden_sizes=[24], coord_dim_n=4, rotor_k=4, context_len=4,
-                      embed_dim=4, batch_size=16, tbptt_window_steps=24, nudge_steps=12, memory_capacity=64,
+                      embed_dim=4, batch_size=16, free_steps=24, nudge_steps=12, memory_capacity=64,
                       max_windows=40, eval_batches=1, checkpoint_dir=str(tmp_path / "ck"))
     t = Trainer(cfg, log=lambda *_: None)
     t.train()

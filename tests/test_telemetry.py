@@ -38,7 +38,7 @@ def run_flags(data: Path, ck: Path, **over) -> dict:
     """A tiny, fast text run on the CPU, also where a GPU is present (float64 not needed: these tests check records,
     not numerics)."""
     flags = dict(data=str(data), checkpoint_dir=str(ck), run_name="t", device="cpu", hidden_sizes=[8], coord_dim_n=4, rotor_k=3,
-                 context_len=3, embed_dim=3, batch_size=8, tbptt_window_steps=6, nudge_steps=3, max_windows=6,
+                 context_len=3, embed_dim=3, batch_size=8, free_steps=6, nudge_steps=3, max_windows=6,
                  log_every_windows=2, eval_every_windows=4, eval_batches=1)
     flags.update(over)
     return flags
@@ -180,7 +180,7 @@ def test_cleanup_threshold_outside_0_1_is_refused():
 
 
 def test_step_progress_and_phase_timing_leave_the_result_unchanged():
-    cfg = tiny_config(tbptt_window_steps=8, nudge_steps=4)
+    cfg = tiny_config(free_steps=8, nudge_steps=4)
     plain, watched = tiny_machine(cfg), tiny_machine(cfg)
     calls, timer = [], PhaseTimer(torch.device("cpu"), timing=True)
     a, b = build_step(plain, cfg, cfg.batch_size), build_step(watched, cfg, cfg.batch_size)
@@ -201,7 +201,7 @@ def test_step_progress_and_phase_timing_leave_the_result_unchanged():
 
 
 def test_a_step_that_is_not_eager_is_timed_whole_and_reports_progress_at_window_boundaries(tmp_path):
-    cfg = tiny_config(step_progress_every=4, timing_debug=True, tbptt_window_steps=8, nudge_steps=4)
+    cfg = tiny_config(step_progress_every=4, timing_debug=True, free_steps=8, nudge_steps=4)
     step = build_step(tiny_machine(cfg), cfg, cfg.batch_size)
     said = []
     mon = Monitor(cfg, torch.device("cpu"), tmp_path, eager=False, log=said.append)

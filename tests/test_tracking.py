@@ -18,7 +18,7 @@ from trainer2.trainer import Trainer
 
 def tiny(data: Path, ck: Path, **over) -> list[str]:
     flags = dict(data=data, checkpoint_dir=ck, run_name="t", hidden_sizes=8, coord_dim_n=4, rotor_k=3, context_len=3,
-                 embed_dim=3, batch_size=8, tbptt_window_steps=4, nudge_steps=2, max_windows=6, log_every_windows=2,
+                 embed_dim=3, batch_size=8, free_steps=4, nudge_steps=2, max_windows=6, log_every_windows=2,
                  eval_every_windows=4, eval_batches=1)
     flags.update(over)
     return [x for k, v in flags.items() for x in ((f"--{k}",) if v is True else (f"--{k}", str(v)))]
@@ -92,7 +92,7 @@ def test_missing_tensorboard_is_refused_before_anything_is_loaded_or_written(sma
     # Through the API too: the run stops at start, before telemetry or config.yaml are written.
     cfg = build_config([("test", {"data": str(small_text), "checkpoint_dir": str(tmp_path), "run_name": "api", "tensorboard": True,
                                   "hidden_sizes": [8], "coord_dim_n": 4, "rotor_k": 3, "context_len": 3, "embed_dim": 3,
-                                  "batch_size": 8, "tbptt_window_steps": 2, "nudge_steps": 1, "max_windows": 2})])
+                                  "batch_size": 8, "free_steps": 2, "nudge_steps": 1, "max_windows": 2})])
     with pytest.raises(ConfigError, match="tensorboard"):
         Trainer(cfg, log=lambda s: None).train()
     assert not (tmp_path / "api" / "telemetry.jsonl").exists()

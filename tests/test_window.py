@@ -12,7 +12,7 @@ from trainer2.capture import step_tensors
 from trainer2.energy import energy, input_drive
 from trainer2.memory import MemoryBank
 from trainer2.relaxation import Relaxation
-from trainer2.window import Integrator, Workspace, fixed_point_window, leapfrog_window, set_nudge_scale
+from trainer2.window import Integrator, PhaseRun, Workspace, fixed_point_steps, leapfrog_steps, set_nudge_scale
 
 
 def primed(memory_capacity: int = 0, **overrides):
@@ -37,7 +37,7 @@ def test_spd_history_equals_the_separate_computation():
     ws.state.zero_()
     qs = [ws.state.s[-1].clone()]
     for t in range(15):  # one step at a time, recording the trajectory of q
-        relax.window(ws, m.energy, free.frame, free.fold, t, 1, False, relax.integ, relax.one_hot)
+        relax.run(ws, free, t, 1, False)
         qs.append(ws.state.s[-1].clone())
     metric = free.frame.rot.T @ torch.diag(m.readout.g_diag) @ free.frame.rot
     spd = torch.stack([torch.sqrt((((b - a) / cfg.dt @ metric) * (b - a) / cfg.dt).sum(1) + cfg.eps) for a, b in zip(qs[:-1], qs[1:])])
@@ -45,7 +45,7 @@ def test_spd_history_equals_the_separate_computation():
 
 
 def test_free_stats_are_the_lior_path_length_and_spd_of_the_window():
-    cfg, m, relax, free, _ = primed(tbptt_window_steps=9)
+    cfg, m, relax, free, _ = primed(free_steps=9)
     spd = relax.ws.spd_hist[:9]
     stats = relax.free_stats()
     assert torch.allclose(stats["lior_mean"], (m.readout.r_sc * cfg.dt * spd.sum(0)).mean())
@@ -55,7 +55,7 @@ def test_free_stats_are_the_lior_path_length_and_spd_of_the_window():
 
 def test_unit_step_is_the_fixed_point_iteration():
     cfg, m, relax, free, x = primed(dt=1.0, gamma=1.0, mass=1.0)
-    assert relax.integ.fixed_point and relax.window is fixed_point_window
+    assert relax.integ.fixed_point and relax.steps_fn is fixed_point_steps
     ws = relax.ws
     gen = torch.Generator().manual_seed(0)
     h0 = torch.rand(ws.state.s[0].shape, generator=gen, dtype=torch.float64)
@@ -63,16 +63,16 @@ def test_unit_step_is_the_fixed_point_iteration():
     ws.state.s[0].copy_(h0)
     ws.state.s[1].copy_(q0)
     (w1, wo), (b1, bo) = m.energy.weights, m.energy.biases
-    relax.window(ws, m.energy, free.frame, free.fold, 0, 1, False, relax.integ, relax.one_hot)
+    relax.run(ws, free, 0, 1, False)
     assert torch.allclose(ws.state.s[0], (x @ w1.T + b1 + q0 @ wo).clamp(0, 1))
     assert torch.allclose(ws.state.s[1], h0 @ wo.T + bo)
 
 
 @pytest.mark.parametrize("memory_capacity", [0, 10])  # one-hot readout, and candidates sharing labels
 @pytest.mark.parametrize("hidden", [[12], [9, 7, 6]])
-def test_fixed_point_window_is_the_leapfrog_at_unit_step(memory_capacity, hidden):
+def test_fixed_point_steps_is_the_leapfrog_at_unit_step(memory_capacity, hidden):
     """Free and stacked nudged windows: the fixed point and the general leapfrog at dt = gamma = mass = 1 agree."""
-    cfg, m, relax, free, _ = primed(memory_capacity, hidden_sizes=hidden, tbptt_window_steps=20, nudge_steps=20, beta_nudge=0.05)
+    cfg, m, relax, free, _ = primed(memory_capacity, hidden_sizes=hidden, free_steps=20, nudge_steps=20, beta_nudge=0.05)
     unit = Integrator(1.0, 1.0, 1.0)
     sizes, k = m.state_sizes(), free.cand.coords.shape[0]
     for src, nudged, steps in ((relax.ws, False, 20), (relax.ws_nudged, True, 20)):
@@ -86,8 +86,8 @@ def test_fixed_point_window_is_the_leapfrog_at_unit_step(memory_capacity, hidden
                 s.copy_(torch.cat([s0] * len(betas)))
         set_nudge_scale(fixed, free.fold, unit)
         set_nudge_scale(leap, free.fold, Integrator(1.0, 1.0, 1.000001))  # the leapfrog's factor (-beta)
-        fixed_point_window(fixed, m.energy, free.frame, free.fold, 0, steps, nudged, unit, memory_capacity == 0)
-        leapfrog_window(leap, m.energy, free.frame, free.fold, 0, steps, nudged, unit, memory_capacity == 0)
+        fixed_point_steps(PhaseRun(fixed, m.energy, free.frame, free.fold, unit, 0, steps, nudged, memory_capacity == 0))
+        leapfrog_steps(PhaseRun(leap, m.energy, free.frame, free.fold, unit, 0, steps, nudged, memory_capacity == 0))
         for a, b in zip(fixed.state.s, leap.state.s):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
         torch.testing.assert_close(fixed.spd_hist, leap.spd_hist, rtol=1e-9, atol=1e-11)
@@ -105,7 +105,7 @@ def test_stacked_nudged_phases_equal_each_phase_run_alone(dt):
         ws.target_mask.copy_(relax.ws.target_mask)
         ws.state.copy_(relax.s0)
         set_nudge_scale(ws, free.fold, relax.integ)
-        relax.window(ws, m.energy, free.frame, free.fold, 0, 30, True, relax.integ, relax.one_hot)
+        relax.run(ws, free, 0, 30, True)
         alone[beta] = ws.state.s
     for a, b, c, d in zip(relax.s_plus, alone[cfg.beta_nudge], relax.s_minus, alone[-cfg.beta_nudge]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
@@ -135,9 +135,9 @@ def test_a_window_allocates_nothing_after_warm_up(memory_capacity, dt):
     with torch.no_grad():
         relax.nudged_phases(free)  # warm-up
     known = {t.untyped_storage().data_ptr() for t in step_tensors([relax.ws, relax.ws_nudged, m.energy, free.frame, free.fold])}
-    for ws, nudged, steps in ((relax.ws, False, cfg.tbptt_window_steps), (relax.ws_nudged, True, cfg.nudge_steps)):
+    for ws, nudged, steps in ((relax.ws, False, cfg.free_steps), (relax.ws_nudged, True, cfg.nudge_steps)):
         with torch.no_grad(), NewStorage(known) as spy:
-            relax.window(ws, m.energy, free.frame, free.fold, 0, steps, nudged, relax.integ, relax.one_hot)
+            relax.run(ws, free, 0, steps, nudged)
         assert spy.fresh == [], set(spy.fresh)
 
 
@@ -162,7 +162,7 @@ def test_stormer_verlet_energy_drift_stays_bounded_over_1000_steps():
     kinetic0 = sum((p * p).sum(1) for p in ws.state.p) / (2 * cfg.mass)
     drift = []
     for _ in range(1000):
-        relax.window(ws, m.energy, free.frame, free.fold, 0, 1, False, relax.integ, relax.one_hot)
+        relax.run(ws, free, 0, 1, False)
         assert ((ws.state.s[0] > 0) & (ws.state.s[0] < 1)).all()
         drift.append((hamiltonian(m, x, ws.state, cfg.mass) - h0).abs().max())
     drift = torch.stack(drift)
@@ -172,7 +172,7 @@ def test_stormer_verlet_energy_drift_stays_bounded_over_1000_steps():
 
 
 def test_damping_settles_and_converges():
-    cfg, m, relax, free, _ = primed(tbptt_window_steps=200)
+    cfg, m, relax, free, _ = primed(free_steps=200)
     assert float(relax.ws.spd_hist[199].max()) < 1e-2  # spd at the last step is ~sqrt(eps) at rest
 
 
@@ -195,6 +195,6 @@ def test_config_stability_bound_is_the_integrators():
         ws.state.zero_()
         ws.drive.copy_(m.energy.biases[0].expand_as(ws.drive))
         ws.state.s[-1].copy_(rest + 1.0)
-        leapfrog_window(ws, m.energy, free.frame, free.fold, 0, 60, False, Integrator(dt, 0.5, 1.0), relax.one_hot)
+        leapfrog_steps(PhaseRun(ws, m.energy, free.frame, free.fold, Integrator(dt, 0.5, 1.0), 0, 60, False, relax.one_hot))
         distance[dt] = float((ws.state.s[-1] - rest).abs().max())
     assert distance[1.5] < 1e-3 and distance[1.6] > 1e3, distance

@@ -27,9 +27,8 @@ from trainer2.capture import StepRunner
 from trainer2.flags import add_config_flags, resolve_config
 from trainer2.config import ConfigError, TrainConfig
 from trainer2.data import Dataset, Sampler, load_dataset
-from trainer2.evaluation import resolve_device
-from trainer2.machine import build_machine
-from trainer2.memory import MemoryBank
+from trainer2.parts import build_parts, resolve_device
+from trainer2.nudge import NudgeScheme
 from trainer2.profiling import drop_kineto_markers
 from trainer2.step import BatchStep, build_step
 from trainer2.profiling import PhaseTimer
@@ -56,7 +55,7 @@ class Row:
 
 def relax_steps(cfg: TrainConfig) -> int:
     """Relaxation steps in one batch step: the free window and one or two nudged windows."""
-    return cfg.tbptt_window_steps + (2 if cfg.symmetric_nudge else 1) * cfg.nudge_steps
+    return cfg.free_steps + NudgeScheme(cfg.beta_nudge, cfg.symmetric_nudge).phases * cfg.nudge_steps
 
 
 def count_work(prof: profile, cuda: bool) -> tuple[int, int]:
@@ -98,10 +97,8 @@ def host_batches(data: Dataset, batch: int, n: int, seed: int) -> list[tuple[tor
 
 def make_step(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device) -> BatchStep:
     """A fresh machine (same seed every time) and its EP batch step for `batch` examples."""
-    machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device)
-    like = machine.readout.protos
-    memory = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, batch, like) if cfg.memory_capacity else None
-    return build_step(machine, cfg, batch, memory)
+    parts = build_parts(cfg, device, data, batch)
+    return build_step(parts.machine, cfg, batch, parts.memory)
 
 
 def prepare(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, mode: str, warmup: list) -> tuple[Row, StepRunner | None]:
@@ -186,9 +183,8 @@ def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: in
     free = relax.free_phase(*feed[0])
     relax.nudged_phases(free)  # fills the nudged workspace once, as a step does
     cuda = device.type == "cuda"
-    args = (relax.m.energy, free.frame, free.fold, 0)
-    k_free, _ = profile_call(lambda: relax.window(relax.ws, *args, cfg.tbptt_window_steps, False, relax.integ, relax.one_hot), cuda)
-    k_nudged, _ = profile_call(lambda: relax.window(relax.ws_nudged, *args, cfg.nudge_steps, True, relax.integ, relax.one_hot), cuda)
+    k_free, _ = profile_call(lambda: relax.run(relax.ws, free, 0, cfg.free_steps, False), cuda)
+    k_nudged, _ = profile_call(lambda: relax.run(relax.ws_nudged, free, 0, cfg.nudge_steps, True), cuda)
     runner = StepRunner(step)  # eager, as the trainer runs it (in inference mode)
     runner.step(*feed[1])  # warm-up
     timer = PhaseTimer(device, timing=True)
@@ -196,7 +192,7 @@ def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: in
     for x, y in feed[2:]:
         runner.step(x, y)
     times = timer.collect(windows)
-    return WindowCost(k_free / cfg.tbptt_window_steps, k_nudged / cfg.nudge_steps,
+    return WindowCost(k_free / cfg.free_steps, k_nudged / cfg.nudge_steps,
                       {k.removeprefix("time_").removesuffix("_ms"): v for k, v in times.items()})
 
 
@@ -212,8 +208,8 @@ def report(rows: list[Row], cfg: TrainConfig, device: torch.device, argv: list[s
     lines = [
         f"trainer2 bench: {name}, torch {torch.__version__}, {cfg.dtype}",
         f"command: python main.py bench {' '.join(argv)}".rstrip(),
-        f"machine: hidden {cfg.hidden_sizes}, n {cfg.coord_dim_n}, context {cfg.context_len}x{cfg.embed_dim}, memory {cfg.memory_capacity}; "
-        f"window: {cfg.tbptt_window_steps} free + {'2x' if cfg.symmetric_nudge else ''}{cfg.nudge_steps} nudged = {relax_steps(cfg)} relaxation steps",
+        f"machine: layers {cfg.layers}, n {cfg.coord_dim_n}, context {cfg.context_len}x{cfg.embed_dim}, memory {cfg.memory_capacity}; "
+        f"window: {cfg.free_steps} free + {'2x' if cfg.symmetric_nudge else ''}{cfg.nudge_steps} nudged = {relax_steps(cfg)} relaxation steps",
         f"timed: {windows} windows per mode in interleaved rounds, after {warmup} warm-up windows "
         f"(excluded; setup_s = warm-up incl. compile/capture); {'CUDA events' if cuda else 'perf_counter'}",
         "",

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from trainer2.config import TrainConfig
+from trainer2.config import TrainConfig, upgrade_legacy
 
 if TYPE_CHECKING:
     from trainer2.data import Dataset
@@ -206,6 +206,10 @@ def load_tensors(path: Path, meta: dict[str, Any]) -> dict[str, Tensor]:
 def check_config(saved: dict[str, Any], cfg: TrainConfig, source: Path) -> None:
     """Refuse a config whose model/data/learning fields differ from the checkpoint's, naming each with both values."""
     now = cfg.model_dump(mode="json")
+    try:
+        saved = upgrade_legacy(saved)  # a checkpoint written before a field's rename names it the old way
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {source}: its config cannot be read: {e}") from None
     bad = [f"{k}: checkpoint has {saved.get(k)!r}, requested {now[k]!r}" for k in fixed_fields() if saved.get(k) != now[k]]
     if bad:
         raise CheckpointError(f"checkpoint {source} does not match the requested config (these fields define the model, "
@@ -261,6 +265,23 @@ def check_tensors(loaded: dict[str, Tensor], like: dict[str, Tensor], file: Path
         src = loaded[k]
         if src.shape != dst.shape or src.dtype != dst.dtype:
             raise CheckpointError(f"{file}: tensor {k!r} is {src.dtype} {tuple(src.shape)}, expected {dst.dtype} {tuple(dst.shape)}")
+
+
+def load_checked(path: Path, cfg: TrainConfig, data: Dataset, live: dict[str, Tensor], only: tuple[str, ...] | None = None,
+                 optional: frozenset[str] = frozenset()) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """(tensors, meta) of checkpoint directory `path`, checked against this run before anything is copied: its
+    config (the fields that define the model), the data fingerprint, every tensor's name, shape and dtype against
+    `live` (only the keys with the given prefixes, when `only` is set), and its counters. The one place a
+    checkpoint is validated; training and evaluation both load through it."""
+    meta = read_meta(path)
+    check_config(meta["config"], cfg, path)
+    check_data(meta["data"], data_fingerprint(data), path)
+    loaded = load_tensors(path, meta)
+    if only is not None:
+        loaded = {k: v for k, v in loaded.items() if k.startswith(only)}
+    check_tensors(loaded, live, path / TENSORS_FILE, optional=optional)
+    check_counters(meta, path)
+    return loaded, meta
 
 
 def check_counters(meta: dict[str, Any], path: Path) -> None:

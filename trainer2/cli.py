@@ -14,9 +14,10 @@ import json
 import shlex
 import signal
 import sys
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from trainer2.checkpoint import CheckpointError, read_meta
 from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
@@ -171,12 +172,21 @@ def cmd_evaluate(argv: list[str]) -> int:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate, "plot": cmd_plot, "sample": cmd_sample, "bench": cmd_bench}
 
 
+def show_note(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+              line: str | None = None) -> None:
+    """How the command line shows a warning (such as a renamed config key): `trainer2: note: ...` on stderr."""
+    print(f"trainer2: note: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = COMMANDS.get(argv[0]) if argv else None
     run = command or cmd_train
     try:
-        return run(argv[1:] if command else argv)
+        with warnings.catch_warnings():
+            warnings.simplefilter("once", FutureWarning)  # a config built twice (print_config, resume) notes once
+            warnings.showwarning = show_note  # a renamed flag or key: one line, not a source location
+            return run(argv[1:] if command else argv)
     except (ConfigError, DataError, CheckpointError, RunDirError) as e:
         print(f"trainer2: error{rank_label()}: {e}", file=sys.stderr)
         return EXIT_REFUSED

@@ -9,10 +9,12 @@ from __future__ import annotations
 import importlib.resources
 import re
 import reprlib
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
+from trainer2.couplings import KINDS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_YAML_BYTES = 1 << 20  # a config is a few hundred bytes; the cap bounds what a hostile file can cost
@@ -78,7 +80,10 @@ class TrainConfig(BaseModel):
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of the data, by position, held out.")
 
     # --- machine ---
-    hidden_sizes: list[int] = Field([256], min_length=1, description="Sizes of the hidden layers h_1..h_M.")
+    layers: list[dict[str, Any]] = Field(
+        [{"dense": 256}], min_length=1, description="The hidden layers h_1..h_M, lowest first, each {kind: spec} with the "
+        "kind of coupling that drives it from below: [{dense: 256}] is one dense layer of 256 units (on the command "
+        "line: --layers dense:256). --hidden_sizes 256 128 is shorthand for dense layers of those sizes.")
     coord_dim_n: int = Field(16, ge=2, description="Dimension n of the output coordinates q.")
     rotor_k: int = Field(32, ge=0, description="Number of Givens rotations in the readout's rotor frame.")
     retrieval_beta: float = Field(1.0, gt=0.0, description="Inverse temperature of retrieval: p = softmax(-beta * cost).")
@@ -95,7 +100,7 @@ class TrainConfig(BaseModel):
     memory_capacity: int = Field(0, ge=0, description="Slots of the memory bank of recent equilibria; 0 = off.")
 
     # --- dynamics ---
-    tbptt_window_steps: int = Field(64, ge=1, description="Free-phase relaxation steps per window.")
+    free_steps: int = Field(64, ge=1, description="Free-phase relaxation steps per window (formerly tbptt_window_steps).")
     nudge_steps: int = Field(16, ge=1, description="Steps of each nudged phase.")
     beta_nudge: float = Field(0.003, gt=0.0, description="Nudging strength beta.")
     symmetric_nudge: bool = Field(True, description="Nudge with +beta and -beta (bias O(beta^2)) instead of +beta only.")
@@ -153,11 +158,23 @@ class TrainConfig(BaseModel):
             raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {short_repr(v)}")
         return v
 
-    @field_validator("hidden_sizes")
+    @model_validator(mode="before")
     @classmethod
-    def _hidden(cls, v: list[int]) -> list[int]:
-        if any(h < 1 for h in v):
-            raise ValueError(f"every hidden size must be >= 1, got {short_repr(v)}")
+    def _legacy_names(cls, data: Any) -> Any:
+        return upgrade_legacy(data) if isinstance(data, dict) else data
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, entry in enumerate(v):
+            if len(entry) != 1 or next(iter(entry)) not in KINDS:
+                raise ValueError(f"layer {i}: expected one {{kind: spec}} entry with a kind in {sorted(KINDS)}, "
+                                 f"got {short_repr(entry)}")
+            (kind, spec), = entry.items()
+            try:
+                KINDS[kind].spec_size(spec)
+            except ValueError as e:
+                raise ValueError(f"layer {i} ({kind}): {e}") from None
         return v
 
     @field_validator("run_name")
@@ -211,8 +228,38 @@ class TrainConfig(BaseModel):
                     "rate wrecks the model in one update (useful rates are around 1e-3 to 1e-2)")
 
 
+# Names a config may still use, and what they became: tbptt_window_steps was renamed (a note says so);
+# hidden_sizes is a shorthand for dense layers.
+RENAMED = {"tbptt_window_steps": "free_steps"}
+SHORTHANDS = ("hidden_sizes",)
+
+
+def upgrade_legacy(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with the old names replaced by the new ones: tbptt_window_steps -> free_steps, hidden_sizes [N, ...]
+    -> layers [{dense: N}, ...]. Giving both an old and its new name is refused."""
+    out = dict(values)
+    for old, new in RENAMED.items():
+        if old in out:
+            if new in out:
+                raise ValueError(f"{old} is the old name of {new}: give one of them")
+            out[new] = out.pop(old)
+    if "hidden_sizes" in out:
+        if "layers" in out:
+            raise ValueError("hidden_sizes is a shorthand for layers: give one of them")
+        sizes = out.pop("hidden_sizes")
+        if not isinstance(sizes, list) or not sizes or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
+            raise ValueError(f"hidden_sizes: expected a non-empty list of integers >= 1, got {short_repr(sizes)}")
+        out["layers"] = [{"dense": h} for h in sizes]
+    return out
+
+
 def field_names() -> list[str]:
     return list(TrainConfig.model_fields)
+
+
+def accepted_keys() -> set[str]:
+    """Every key a config file or layer may hold: the fields, their old names and the shorthands."""
+    return set(field_names()) | set(RENAMED) | set(SHORTHANDS)
 
 
 def preset_dir() -> Path | Traversable:
@@ -270,7 +317,7 @@ def read_yaml(path: Path | Traversable) -> dict[str, Any]:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of field: value, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(field_names()), key=str)
+    unknown = sorted(set(data) - accepted_keys(), key=str)
     if unknown:
         raise ConfigError(f"config file {path}: unknown key(s) {short_repr(unknown)}; every key must be a TrainConfig field "
                           "(see --help)")
@@ -289,6 +336,14 @@ def merge_layers(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, An
     merged: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for source, layer in layers:
+        for old in sorted(set(RENAMED) & set(layer)):
+            if not source.startswith("checkpoint"):  # a user's file or flag, not a checkpoint written before the rename
+                warnings.warn(f"{old} is now called {RENAMED[old]} ({source}); the old name still works", FutureWarning,
+                              stacklevel=2)
+        try:
+            layer = upgrade_legacy(layer)
+        except ValueError as e:
+            raise ConfigError(f"{source}: {e}") from None
         layer = _follow_capture_batch(layer)
         merged.update(layer)
         origin.update({k: source for k in layer})

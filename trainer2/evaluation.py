@@ -16,27 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer2.checkpoint import CheckpointError, check_config, check_data, check_tensors, data_fingerprint, load_tensors, read_meta
+from trainer2.checkpoint import CheckpointError, load_checked, read_meta
 from trainer2.config import ConfigError, TrainConfig, build_config
-from trainer2.data import Dataset, heldout_batches, load_dataset
-from trainer2.machine import Machine, build_machine
+from trainer2.data import Dataset, heldout_batches
+from trainer2.machine import Machine
 from trainer2.memory import MemoryBank
+from trainer2.parts import build_parts, resolve_device
 from trainer2.relaxation import Relaxation
 
 EVAL_BATCH = 512  # held-out examples per scoring batch
-
-
-def resolve_device(cfg: TrainConfig) -> torch.device:
-    """The device a run computes on: 'auto' -> CUDA when present, else CPU; an explicit CUDA device without CUDA is
-    an error. Also sets this process's CPU math threads (cfg.cpu_threads; 0 leaves torch's default)."""
-    if cfg.cpu_threads > 0:
-        torch.set_num_threads(cfg.cpu_threads)
-    name = cfg.device
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device: {name!r} asked for, but CUDA is not available on this machine; use --device cpu")
-    return torch.device(name)
 
 
 def relaxation_cache(machine: Machine, cfg: TrainConfig, memory: MemoryBank | None) -> Callable[[int], Relaxation]:
@@ -114,19 +102,12 @@ def load_trained(path: str | Path, overrides: dict[str, Any] | None = None, log:
         cfg = build_config([(f"checkpoint {path}", meta["config"]), ("command line", overrides or {})])
     except ConfigError as e:
         raise CheckpointError(f"{path}: its config cannot be used: {e}") from None
-    check_config(meta["config"], cfg, path)
-    device = resolve_device(cfg)
-    data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
-    check_data(meta["data"], data_fingerprint(data), path)
-    machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device)
-    like = machine.readout.protos
-    memory = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, like) if cfg.memory_capacity else None
-    live = {f"param.{k}": v for k, v in machine.named_params().items()}
-    if memory is not None:
-        live.update(memory.tensors())
-    loaded = load_tensors(path, meta)
-    check_tensors({k: v for k, v in loaded.items() if k.startswith(("param.", "memory."))}, live, path / "tensors.safetensors")
+    parts = build_parts(cfg, resolve_device(cfg))
+    live = {f"param.{k}": v for k, v in parts.machine.named_params().items()}
+    if parts.memory is not None:
+        live.update(parts.memory.tensors())
+    loaded, meta = load_checked(path, cfg, parts.data, live, only=("param.", "memory."))
     for k, dst in live.items():
         dst.copy_(loaded[k])
     log(f"loaded {path} (window {meta['counters'].get('window')})")
-    return TrainedMachine(cfg, data, machine, memory, int(meta["step"]), device)
+    return TrainedMachine(cfg, parts.data, parts.machine, parts.memory, int(meta["step"]), parts.device)

@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from trainer2.config import TrainConfig, build_config, preset_path, read_yaml
+from trainer2.config import TrainConfig, accepted_keys, build_config, preset_path, read_yaml
 
 
 def none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -18,6 +18,14 @@ def none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
     parse_optional.__name__ = getattr(parse, "__name__", "value")
     return parse_optional
+
+
+def layer_flag(text: str) -> dict[str, Any]:
+    """--layers entries: KIND:SIZE (dense:256) -> {KIND: SIZE}; the config validates kind and size."""
+    kind, sep, size = text.partition(":")
+    if not sep or not size.strip().lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"expected KIND:SIZE such as dense:256, got {text!r}")
+    return {kind.strip(): int(size)}
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +37,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         optional = typing.get_origin(ann) in (typing.Union, types.UnionType) and type(None) in args
         base = next(a for a in args if a is not type(None)) if optional else ann
         kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"{field.description} (default: {field.default})"}
-        if base is bool:
+        if name == "layers":
+            kw.update(nargs="+", type=layer_flag, metavar="KIND:SIZE")
+        elif base is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(base) is Literal:
             kw["choices"] = list(typing.get_args(base))
@@ -38,6 +48,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         else:
             kw.update(type=none_or(base) if optional else base, metavar=base.__name__.upper())
         group.add_argument(f"--{name}", **kw)
+    group.add_argument("--hidden_sizes", nargs="+", type=int, metavar="N", default=argparse.SUPPRESS,
+                       help="Shorthand for --layers dense:N ...: dense hidden layers of these sizes.")
+    group.add_argument("--tbptt_window_steps", type=int, metavar="INT", default=argparse.SUPPRESS,
+                       help="Old name of --free_steps (still accepted).")
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
@@ -53,6 +67,6 @@ def config_layers(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         layers.append((f"preset {path}", read_yaml(path)))
     if args.config:
         layers.append((f"config {args.config}", read_yaml(Path(args.config))))
-    flags = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields}
+    flags = {k: v for k, v in vars(args).items() if k in accepted_keys()}
     layers.append(("command line", flags))
     return layers

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from trainer2.energy import coupling_grads
+from trainer2.energy import ep_grads
 from trainer2.geometry import indicator
 from trainer2.relaxation import Relaxation, WindowStats
 
@@ -46,18 +46,16 @@ def embedding_grad(gx: Tensor, ids: Tensor, rows: int) -> Tensor:
 
 def ep_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResult:
     """Free phase, nudged phase(s) at +beta (and -beta), then the EP estimate for the energy and the embedding."""
-    cfg, m = relax.cfg, relax.m
+    m = relax.m
     with relax.phase("free"):
         free = relax.free_phase(inputs, targets)
         stats = relax.free_stats()
     with relax.phase("nudged"):
         relax.nudged_phases(free)
     with relax.phase("update"):  # forming the gradients counts as part of the update
-        b = (2 if cfg.symmetric_nudge else 1) * cfg.beta_nudge
-        gw, gb, gx = coupling_grads(relax.s_plus, relax.s_minus, free.x, m.energy, 1.0 / (b * relax.batch))
+        grads, gx = ep_grads(relax.s_plus, relax.s_minus, free.x, m.energy, 1.0 / (relax.nudge.divisor * relax.batch))
         res = relax.readout_grads(free)
-        grads = {**m.energy_names(gw, gb), "g_diag": res.grads.g_diag, "theta": res.grads.theta,
-                 "protos": res.grads.protos, "r_sc": res.grads.r_sc}
+        grads.update(g_diag=res.grads.g_diag, theta=res.grads.theta, protos=res.grads.protos, r_sc=res.grads.r_sc)
         if m.emb is not None:
             grads["emb"] = embedding_grad(gx.reshape(-1, m.emb.shape[1]), inputs.flatten(), m.emb.shape[0])
         return StepResult(grads, res.loss, res.probs, WindowStats(**stats, lior_nudge=relax.nudged_lior()))

@@ -50,7 +50,7 @@ class Health:
             return  # a non-finite spd comes with a divergence, reported as one
         self.warned = True
         self.log(f"warning: the free phase does not settle: spd_last {spd:.3g} at window {row['window']}, "
-                 f"{spd / floor:.3g}x its settled floor sqrt(eps) = {floor:.3g}. Give it more steps (tbptt_window_steps), "
+                 f"{spd / floor:.3g}x its settled floor sqrt(eps) = {floor:.3g}. Give it more steps (free_steps), "
                  "a smaller dt, more damping (gamma) or a lower spectral_cap")
 
 

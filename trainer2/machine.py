@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
-from trainer2.energy import EnergyParams, init_energy
+from trainer2.energy import Energy, init_energy
 from trainer2.geometry import Candidates, ReadoutParams, RotorLayout, rotor_layout
 
 
@@ -19,7 +19,7 @@ class Machine:
     a view of `flat`, one buffer in `named_params` order, so the update is a few whole-buffer operations."""
 
     emb: Tensor | None  # (V, embed_dim)
-    energy: EnergyParams
+    energy: Energy
     readout: ReadoutParams
     layout: RotorLayout
     num_classes: int
@@ -27,25 +27,22 @@ class Machine:
 
     def named_params(self) -> dict[str, Tensor]:
         """Every learned tensor by a stable name. This order is the one order of the parameters (update lists,
-        checkpoint keys): emb (text only), W_1, b_1, ..., W_out, b_out, g_diag, theta, protos, r_sc."""
+        checkpoint keys): emb (text only), the couplings' in chain order (W_1, b_1, ..., W_out, b_out), g_diag,
+        theta, protos, r_sc."""
         out: dict[str, Tensor] = {} if self.emb is None else {"emb": self.emb}
-        out.update(self.energy_names(self.energy.weights, self.energy.biases))
+        out.update(self.energy.parameters())
         r = self.readout
         out.update(g_diag=r.g_diag, theta=r.theta, protos=r.protos, r_sc=r.r_sc)
         return out
 
-    def energy_names(self, weights: list[Tensor], biases: list[Tensor]) -> dict[str, Tensor]:
-        """Per-layer tensors (couplings or their gradients) by name: W_1, b_1, ..., W_out, b_out."""
-        last = len(self.energy.weights) - 1
-        out: dict[str, Tensor] = {}
-        for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
-            tag = "out" if i == last else str(i + 1)
-            out[f"W_{tag}"], out[f"b_{tag}"] = w, b
-        return out
+    def param_groups(self) -> dict[str, str]:
+        """Each parameter's group by name: 'embed', 'energy' (the couplings) or 'readout'."""
+        energy = self.energy.parameters()
+        return {n: "embed" if n == "emb" else "energy" if n in energy else "readout" for n in self.named_params()}
 
     def state_sizes(self) -> list[int]:
         """[H_1, ..., H_M, n]."""
-        return [w.shape[0] for w in self.energy.weights]
+        return self.energy.state_sizes()
 
     def input_vectors(self, inputs: Tensor) -> Tensor:
         """The clamped input x (B, D): concatenated context embeddings, or the features themselves."""
@@ -66,7 +63,7 @@ def build_machine(cfg: TrainConfig, num_classes: int, input_dim: int, text: bool
     gen = torch.Generator().manual_seed(cfg.seed)
     emb = torch.randn(num_classes, cfg.embed_dim, generator=gen, dtype=dtype) if text else None
     x_dim = input_dim * cfg.embed_dim if text else input_dim
-    energy = init_energy([x_dim, *cfg.hidden_sizes, cfg.coord_dim_n], cfg.out_init_scale, gen, dtype)
+    energy = init_energy((x_dim,), cfg.layers, cfg.coord_dim_n, cfg.out_init_scale, gen, dtype)
     n = cfg.coord_dim_n
     readout = ReadoutParams(
         g_diag=torch.ones(n, dtype=dtype),
@@ -79,7 +76,7 @@ def build_machine(cfg: TrainConfig, num_classes: int, input_dim: int, text: bool
     return m
 
 
-def assemble(emb: Tensor | None, energy: EnergyParams, readout: ReadoutParams, layout: RotorLayout, num_classes: int,
+def assemble(emb: Tensor | None, energy: Energy, readout: ReadoutParams, layout: RotorLayout, num_classes: int,
              device: torch.device) -> Machine:
     """A machine on `device` holding copies of the given tensors as views of one flat buffer (named_params order)."""
     loose = Machine(emb, energy, readout, layout, num_classes, torch.empty(0))
@@ -89,7 +86,7 @@ def assemble(emb: Tensor | None, energy: EnergyParams, readout: ReadoutParams, l
     r = {k: views[k] for k in ("g_diag", "theta", "protos", "r_sc")}
     return Machine(
         views.get("emb"),
-        EnergyParams([v for k, v in views.items() if k.startswith("W_")], [v for k, v in views.items() if k.startswith("b_")]),
+        energy.rebind(views),
         ReadoutParams(**r),
         layout.to(device),
         num_classes,
@@ -112,47 +109,34 @@ def move_machine(m: Machine, device: torch.device) -> Machine:
     return assemble(m.emb, m.energy, m.readout, m.layout, m.num_classes, device)
 
 
-def couplings(m: Machine) -> list[Tensor]:
-    """The couplings between state layers (W_2..W_M, W_out); W_1 only touches the clamped input."""
-    return m.energy.weights[1:]
-
-
 def coupling_cap(cfg: TrainConfig) -> float:
     """The largest spectral norm each coupling between state layers may have: spectral_cap / (2 cos(pi/(M+2))).
 
     The couplings form a path over the M+1 state layers, whose adjacency has norm 2 cos(pi/(M+2)), so this
     keeps the coupling block of E's Hessian at most spectral_cap at any depth (docs/design.md section 1).
     For one hidden layer the path norm is exactly 1 (written so, the cosine rounds to 1 + 2^-52)."""
-    depth = len(cfg.hidden_sizes)
+    depth = len(cfg.layers)
     return cfg.spectral_cap / (1.0 if depth == 1 else 2 * math.cos(math.pi / (depth + 2)))
 
 
 def cap_couplings(m: Machine, cfg: TrainConfig) -> None:
-    """Scale every coupling whose exact spectral norm exceeds coupling_cap down to it (at build, once; SVD)."""
+    """Scale every coupling whose exact operator norm exceeds coupling_cap down to it (at build, once; SVD)."""
     cap = coupling_cap(cfg)
-    for w in couplings(m):
-        norm = float(torch.linalg.matrix_norm(w, ord=2))
-        if norm > cap:
-            w.mul_(cap / norm)
+    for c in m.energy.between_states:
+        c.cap_exact(cap)
 
 
 def project_constraints(m: Machine, cfg: TrainConfig, power_vecs: list[Tensor]) -> None:
-    """After every update: clamp g_diag and R_sc, wrap angles to [-pi, pi), cap each coupling's spectral norm
+    """After every update: clamp g_diag and R_sc, wrap angles to [-pi, pi), cap each coupling's operator norm
     at coupling_cap(cfg), which keeps E's smallest curvature >= 1 - spectral_cap at any depth.
 
-    The cap uses two power-iteration steps with a persistent vector per coupling (power_vecs[i] is
-    (H_out,)), all on the device with no host sync.
+    Each cap uses two power-iteration steps with a persistent vector per coupling (power_vecs[i] has the
+    coupling's power_size), all on the device with no host sync.
     """
     r = m.readout
     r.g_diag.clamp_(cfg.g_min, cfg.g_max)
     r.r_sc.clamp_(min=cfg.r_min)
     r.theta.add_(math.pi).remainder_(2 * math.pi).sub_(math.pi)
     cap = coupling_cap(cfg)
-    for w, u in zip(couplings(m), power_vecs):
-        for _ in range(2):  # each product normalised, so a coupling of any scale keeps u a unit vector
-            v = torch.mv(w.T, u)
-            v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
-            torch.mv(w, v, out=u)
-            sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)  # |W v| = u'^T W v for u' = W v / |W v|
-            u.div_(sigma)
-        w.mul_(torch.div(cap, sigma).clamp_(max=1.0))
+    for c, u in zip(m.energy.between_states, power_vecs):  # no vectors, no caps (the feed-forward baseline's choice)
+        c.cap_power(cap, u)

@@ -17,13 +17,6 @@ from trainer2.machine import Machine, split_flat
 GROUPS = ("energy", "readout", "embed")
 
 
-def param_group(name: str) -> str:
-    """'energy', 'readout' or 'embed': which learning rate (and decay) a parameter gets."""
-    if name == "emb":
-        return "embed"
-    return "energy" if name[:2] in ("W_", "b_") else "readout"
-
-
 @dataclass(frozen=True)
 class ParamTable:
     """Parallel lists in `Machine.named_params()` order: name, live tensor (a view of the flat buffer), group; and
@@ -41,9 +34,10 @@ class ParamTable:
     def build(machine: Machine, cfg: TrainConfig) -> "ParamTable":
         named = machine.named_params()
         scale = {"energy": 1.0, "readout": cfg.eta_readout_scale, "embed": cfg.eta_embed_scale}
-        groups = tuple(param_group(n) for n in named)
+        group_of, decayed = machine.param_groups(), machine.energy.decayed()
+        groups = tuple(group_of[n] for n in named)
         mults = tuple(scale[g] for g in groups)
-        decay = tuple(cfg.weight_decay if n.startswith("W_") else 0.0 for n in named)
+        decay = tuple(cfg.weight_decay if n in decayed else 0.0 for n in named)
         flat, sizes = machine.flat, [t.numel() for t in named.values()]
 
         def per_element(values: tuple[float, ...]) -> Tensor:

@@ -18,7 +18,8 @@ from trainer2.energy import input_drive
 from trainer2.geometry import Candidates, ReadoutFrame, ReadoutResult, readout_frame, readout_loss_and_grads, readout_scores
 from trainer2.machine import Machine
 from trainer2.memory import MemoryBank
-from trainer2.window import FoldBlocks, FoldedFrame, Integrator, State, Workspace, fold_frame, set_nudge_scale, window_function
+from trainer2.nudge import NudgeScheme
+from trainer2.window import FoldBlocks, FoldedFrame, Integrator, PhaseRun, State, Workspace, fold_frame, phase_function, set_nudge_scale
 
 
 @dataclass
@@ -54,18 +55,18 @@ class Relaxation:
         sizes = machine.state_sizes()
         num_cand = machine.num_classes + (0 if memory is None else memory.coords.shape[0])
         self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass)
-        self.window = window_function(self.integ)  # chosen once per run, not per step
+        self.steps_fn = phase_function(self.integ)  # chosen once per run, not per step
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
-        betas = [cfg.beta_nudge, -cfg.beta_nudge] if cfg.symmetric_nudge else [cfg.beta_nudge]
-        self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.tbptt_window_steps, [0.0], like, self.integ.fixed_point)
-        self.ws_nudged = Workspace.allocate(len(betas) * batch, sizes, num_cand, cfg.nudge_steps, betas, like, self.integ.fixed_point)
-        self.phases = len(betas)
+        self.nudge = NudgeScheme(cfg.beta_nudge, cfg.symmetric_nudge)
+        fixed = self.integ.fixed_point
+        self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed)
+        self.ws_nudged = Workspace.allocate(self.nudge.phases * batch, sizes, num_cand, cfg.nudge_steps, self.nudge.betas, like, fixed)
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
         self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, cfg.eps, like)
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
-        # The nudged equilibria, as views of the stacked workspace: rows [0, B) are +beta, [B, 2B) -beta.
-        self.s_plus = [t[:batch] for t in self.ws_nudged.state.s]
-        self.s_minus = [t[batch:] for t in self.ws_nudged.state.s] if cfg.symmetric_nudge else self.s0.s
+        # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
+        self.s_plus = self.nudge.plus(self.ws_nudged.state.s, batch)
+        self.s_minus = self.nudge.minus(self.ws_nudged.state.s, self.s0.s, batch)
         # Observability hooks (trainer2.telemetry): a timed/labelled context per phase, and progress
         # inside a window, on_steps(phase, step, steps, spd_last, lior), every progress_every steps.
         self.phase: Callable[[str], AbstractContextManager[None]] = lambda name: nullcontext()
@@ -91,19 +92,19 @@ class Relaxation:
         input_drive(x, m.energy, ws.drive)
         ws.state.zero_()
         free = FreeState(x, frame, fold, cand)
-        self.relax(ws, free, cfg.tbptt_window_steps, False, "free")
+        self.relax(ws, free, cfg.free_steps, False, "free")
         self.s0.copy_(ws.state)
         return free
 
     def free_stats(self) -> dict[str, Tensor]:
         """The free window's observables (call right after free_phase): batch means, 0-dim."""
         spd_mean = self.ws.spd_hist.mean()  # (T, B): spd_hist holds exactly this window's steps
-        return {"lior_mean": self.lior(spd_mean, self.cfg.tbptt_window_steps), "spd_mean": spd_mean,
+        return {"lior_mean": self.lior(spd_mean, self.cfg.free_steps), "spd_mean": spd_mean,
                 "spd_last": self.ws.spd_rows[-1].mean(), "R_mean": self.m.readout.r_sc.clone()}
 
     def nudged_phases(self, free: FreeState) -> None:
         """Relax T_nudge steps from s0 on E + beta * loss, every nudged phase at once (stacked rows)."""
-        ws, k = self.ws_nudged, self.phases
+        ws, k = self.ws_nudged, self.nudge.phases
         ws.target_mask.view(k, self.batch, -1).copy_(self.ws.target_mask)
         ws.drive.view(k, self.batch, -1).copy_(self.ws.drive)
         for dst, src in zip(ws.state.tensors(), self.s0.tensors(), strict=True):
@@ -119,16 +120,20 @@ class Relaxation:
         """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean."""
         return torch.mul(self.m.readout.r_sc, self.cfg.dt * steps).mul_(spd_mean)
 
+    def run(self, ws: Workspace, free: FreeState, start: int, steps: int, nudged: bool) -> None:
+        """Relaxation steps start .. start + steps - 1 of a phase over workspace ws."""
+        self.steps_fn(PhaseRun(ws, self.m.energy, free.frame, free.fold, self.integ, start, steps, nudged, self.one_hot))
+
     def relax(self, ws: Workspace, free: FreeState, steps: int, nudged: bool, name: str) -> None:
-        """The window for `steps` steps; with on_steps set, in chunks of progress_every steps, each followed
-        by one transfer of [spd_last mean, lior mean] (the chunks give the same result as one window)."""
-        every, args = self.progress_every, (self.m.energy, free.frame, free.fold)
+        """A phase of `steps` steps; with on_steps set, in chunks of progress_every steps, each followed by one
+        transfer of [spd_last mean, lior mean] (the chunks give the same result as one run)."""
+        every = self.progress_every
         if self.on_steps is None or every < 1:
-            self.window(ws, *args, 0, steps, nudged, self.integ, self.one_hot)
+            self.run(ws, free, 0, steps, nudged)
             return
         for done in range(0, steps, every):
             n = min(every, steps - done)
-            self.window(ws, *args, done, n, nudged, self.integ, self.one_hot)
+            self.run(ws, free, done, n, nudged)
             spd_last, lior = torch.stack([ws.spd_hist[done + n - 1].mean(), self.lior(ws.spd_hist[:done + n].mean(), done + n)]).tolist()
             self.on_steps(name, done + n, steps, spd_last, lior)
 

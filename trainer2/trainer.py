@@ -21,15 +21,16 @@ from tqdm import tqdm
 from trainer2 import checkpoint as ck
 from trainer2.capture import StepRunner
 from trainer2.config import ConfigError, TrainConfig, to_yaml
-from trainer2.data import Dataset, Sampler, load_dataset
+from trainer2.data import Dataset, Sampler
 from trainer2.distributed import Distributed
-from trainer2.evaluation import heldout_from_sums, heldout_sums, relaxation_cache, resolve_device
+from trainer2.evaluation import heldout_from_sums, heldout_sums, relaxation_cache
 from trainer2.gradients import GradientSource, ep_gradients
 from trainer2.health import Diverged, Health, divergence_message, nonfinite
 from trainer2.interrupt import STOP_SIGNALS, StopSignals
-from trainer2.machine import Machine, build_machine
+from trainer2.machine import Machine
 from trainer2.memory import MemoryBank
 from trainer2.params import ParamTable
+from trainer2.parts import build_parts, resolve_device
 from trainer2.relaxation import Relaxation
 from trainer2.rundir import SUMMARY_FILE, write_error
 from trainer2.step import BatchStep, build_step
@@ -75,10 +76,10 @@ class Trainer:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
         torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
-        self.data: Dataset = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
-        self.machine: Machine = build_machine(cfg, self.data.num_classes, self.data.input_dim, self.data.kind == "text", self.device)
-        like = self.machine.readout.protos
-        self.memory = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, like) if cfg.memory_capacity else None
+        parts = build_parts(cfg, self.device)
+        self.data: Dataset = parts.data
+        self.machine: Machine = parts.machine
+        self.memory: MemoryBank | None = parts.memory
         self.params = ParamTable.build(self.machine, cfg)
         self.batch_step: BatchStep = build_step(self.machine, cfg, cfg.batch_size, self.memory, gradients, self.params, self.dist)
         self.runner = StepRunner.from_config(self.batch_step, cfg, log)
@@ -347,12 +348,7 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         """Restore the run from checkpoint directory `path` in place; everything is checked before anything is copied."""
         path = Path(path)
-        meta = ck.read_meta(path)
-        ck.check_config(meta["config"], self.cfg, path)
-        ck.check_data(meta["data"], ck.data_fingerprint(self.data), path)
-        loaded = ck.load_tensors(path, meta)
-        ck.check_tensors(loaded, self.checkpoint_tensors(), path / ck.TENSORS_FILE, optional=frozenset({"rng.cuda"}))
-        ck.check_counters(meta, path)
+        loaded, meta = ck.load_checked(path, self.cfg, self.data, self.checkpoint_tensors(), optional=frozenset({"rng.cuda"}))
         self.check_global_batch(meta, path)
         saved_torch = meta.get("versions", {}).get("torch")
         if saved_torch != torch.__version__:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from trainer2.config import TrainConfig
 from trainer2.gradients import StepResult
-from trainer2.machine import Machine, couplings, project_constraints
+from trainer2.machine import Machine, project_constraints
 from trainer2.params import GROUPS, ParamTable
 
 
@@ -121,7 +121,7 @@ class Updater:
 
     def __init__(self, machine: Machine, cfg: TrainConfig, table: ParamTable) -> None:
         self.m, self.cfg, self.table = machine, cfg, table
-        self.state = UpdateState.allocate(table.flat, [w.shape[0] for w in couplings(machine)], cfg)
+        self.state = UpdateState.allocate(table.flat, [c.power_size for c in machine.energy.between_states], cfg)
         self.metrics = MetricSums(table.flat)
         self.grad, self.step = torch.zeros_like(table.flat), torch.zeros_like(table.flat)
         self.step_parts = {g: self.step[table.spans[g]] for g in GROUPS if g in table.spans}  # views, made once

@@ -1,6 +1,7 @@
-"""The hot loop: a window of relaxation steps on E + beta * loss over a preallocated workspace.
+"""The hot loop: the relaxation steps of one phase on E + beta * loss over a preallocated workspace.
 
-Two integrators, chosen once per run (`window_function`):
+(A window is one batch step: a free phase, the nudged phases and the update; each phase is a run of the steps
+here.) Two integrators, chosen once per run (`phase_function`):
 
     damped leapfrog:  p <- (1 - gamma dt) p + dt F(s),  s <- box(s + dt p / mass),  F = -dE/ds - beta dloss/dq
     fixed point:      s_i <- box(W_i s_{i-1} + b_i + W_{i+1}^T s_{i+1}) - beta dloss/dq on q
@@ -12,9 +13,9 @@ Both update every layer from the previous state (Jacobi), so they give the same 
 A workspace holds R rows: the batch (free phase) or the +beta and -beta nudged phases stacked (2B
 rows with a per-row beta, so both nudged phases cost one set of operators). Every tensor a step touches
 lives in the workspace; a step allocates nothing, never syncs with the host and never branches on a
-tensor value, so a window can be captured as a CUDA graph and replayed. The speed of the velocity,
+tensor value, so a whole window can be captured as a CUDA graph and replayed. The speed of the velocity,
 spd = sqrt(g(v, v) + eps), fills one row of `spd_hist` per step (the fixed point forms every row after its
-loop, from the q it keeps per step); the LIoR path length is R_sc dt sum(spd) and is formed once, after the window.
+loop, from the q it keeps per step); the LIoR path length is R_sc dt sum(spd) and is formed once, after the phase.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.energy import EnergyParams, forces
+from trainer2.energy import Energy, forces
 from trainer2.geometry import ReadoutFrame, ReadoutScratch, readout_force
 
 
@@ -111,7 +112,7 @@ class FoldBlocks:
         return FoldBlocks(neg_eye, new(n, 1), b_tail, c, torch.full((k, 1), -1.0, dtype=like.dtype, device=like.device))
 
 
-def fold_frame(p: EnergyParams, f: ReadoutFrame, blocks: FoldBlocks) -> FoldedFrame:
+def fold_frame(e: Energy, f: ReadoutFrame, blocks: FoldBlocks) -> FoldedFrame:
     """Per batch (outside the window): the top coupling's bias and the readout frame folded for the fixed-point
     step, in a dozen operators (a product or concatenation each; it ran 26 when it refilled preallocated blocks)."""
     sg = f.g.sqrt()
@@ -120,7 +121,7 @@ def fold_frame(p: EnergyParams, f: ReadoutFrame, blocks: FoldBlocks) -> FoldedFr
     a = l_t @ l_t.T  # A = L^T L
     yc = f.zc * sg  # (K, n) candidates in the Euclidean coordinates
     return FoldedFrame(
-        mq_nudge=torch.cat([blocks.neg_eye, lt, a], dim=1), b_nudge=torch.cat([p.biases[-1], blocks.b_tail]), lt=lt, c=blocks.c,
+        mq_nudge=torch.cat([blocks.neg_eye, lt, a], dim=1), b_nudge=torch.cat([e.output.bias, blocks.b_tail]), lt=lt, c=blocks.c,
         yc2=torch.cat([yc.T * -2.0, f.cc[None]]),  # f.cc = g(c_k, c_k) + eps = |yc_k|^2 + eps
         caug=torch.cat([f.gzc_t.T @ f.rot, blocks.minus_one], dim=1),  # C = yc L^T = (g * zc) R
         bias=f.bias, neg_scale=f.neg_scale,
@@ -129,7 +130,7 @@ def fold_frame(p: EnergyParams, f: ReadoutFrame, blocks: FoldBlocks) -> FoldedFr
 
 @dataclass
 class Workspace:
-    """Everything a window touches, allocated once for R rows and at most T steps."""
+    """Everything a phase touches, allocated once for R rows and at most T steps."""
 
     state: State  # the running state
     drive: Tensor  # (R, H_1) W_1 x + b_1, filled before the window
@@ -200,47 +201,63 @@ class Workspace:
         )
 
 
-WindowFn = Callable[[Workspace, EnergyParams, ReadoutFrame, FoldedFrame, int, int, bool, Integrator, bool], None]
+@dataclass(frozen=True)
+class PhaseRun:
+    """One run of the relaxation loop: `steps` steps (start .. start + steps - 1 of the phase) from ws.state over
+    the energy; the readout enters through its frame (leapfrog) or its folded matrices (fixed point); nudged rows
+    are pulled toward their targets; one_hot: every label has exactly one candidate (no memory bank)."""
+
+    ws: Workspace
+    energy: Energy
+    frame: ReadoutFrame
+    fold: FoldedFrame
+    integ: Integrator
+    start: int
+    steps: int
+    nudged: bool
+    one_hot: bool
 
 
-def fixed_point_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame, fold: FoldedFrame, start: int, steps: int,
-                       nudged: bool, integ: Integrator, one_hot: bool) -> None:
-    """`steps` fixed-point steps from ws.state (steps start .. start + steps - 1 of the window).
+PhaseFn = Callable[[PhaseRun], None]
 
-    Per step and hidden layer one addmm (two for a layer with a layer above it) and one clamp; q_t is kept in
-    ws.q_rows[t]. Free: q_{t+1} = W h_M + b by one addmm (3 ops per step with one hidden layer). Nudged:
-    [dq | 0 | y | 1 | qA] from q, W h_M and the readout's pull (from y and qA) added to dq, q_{t+1} = q_t + dq.
-    The steps' spd comes from the q history after the loop, in three operators for all of them. one_hot: every
-    label has exactly one candidate (no memory bank), so mask * pi / p_y is the mask itself."""
-    s, w_, b_ = ws.state.s, params.weights, params.biases
-    wt = [w.T for w in w_]  # the transposed views made once per window, not per step
+
+def fixed_point_steps(run: PhaseRun) -> None:
+    """Fixed-point steps: every hidden layer moves to box(its pull from below + its pull from above), q to its
+    pull from h_M (nudged: plus the readout's pull); q_t is kept in ws.q_rows[t].
+
+    A dense chain costs one addmm per layer and neighbour plus one clamp per step (3 ops per free step with one
+    hidden layer). Nudged: [dq | 0 | y | 1 | qA] from q, the output coupling's pull (no bias: it is folded into
+    b_nudge) added to dq, the readout's pull added from y and qA, q_{t+1} = q_t + dq. The steps' spd comes from
+    the q history after the loop, in three operators for all of them."""
+    ws, fold, start, steps = run.ws, run.fold, run.start, run.steps
+    s, c = ws.state.s, run.energy.couplings  # c[i] joins layer i - 1 (the input for i = 0) to layer i
     last = len(s) - 1
     top = s[last - 1]  # h_M is updated in place: only q reads it, and q's step is formed first
     ws.q_rows[start].copy_(s[last])
     for t in range(start, start + steps):
         q, q_new = ws.q_rows[t], ws.q_rows[t + 1]
-        if nudged:
+        if run.nudged:
             torch.addmm(fold.b_nudge, q, fold.mq_nudge, out=ws.out)  # [b - q | 0 | y | 1 | qA]
-            ws.dq.addmm_(top, wt[last])  # + W h_M into dq alone (y and qA do not see h_M)
+            c[last].add_up(top, ws.dq)  # the pull of h_M into dq alone (y and qA do not see h_M)
         else:
-            torch.addmm(b_[last], top, wt[last], out=q_new)  # the minimiser in q: W h_M + b
+            c[last].up(top, q_new)  # the minimiser in q: the pull of h_M
         # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q).
         for i, out in enumerate(ws.temp):
             if i == 0:
-                torch.addmm(ws.drive, s[1], w_[1], out=out)
+                c[1].down(s[1], ws.drive, out)
             else:
-                torch.addmm(b_[i], s[i - 1], wt[i], out=out).addmm_(s[i + 1], w_[i + 1])
+                c[i + 1].add_down(s[i + 1], c[i].up(s[i - 1], out))
         if last == 1:
-            torch.addmm(ws.drive, q, w_[last], out=top)
+            c[last].down(q, ws.drive, top)
         else:
-            torch.addmm(b_[last - 1], s[last - 2], wt[last - 1], out=top).addmm_(q, w_[last])
+            c[last].add_down(q, c[last - 1].up(s[last - 2], top))
         top.clamp_(0.0, 1.0)
         if ws.temp:
             torch._foreach_clamp_min_(ws.temp, 0.0)
             torch._foreach_clamp_max_(ws.temp, 1.0)
             torch._foreach_copy_(s[:last - 1], ws.temp)
-        if nudged:
-            readout_nudge(ws, fold, one_hot)
+        if run.nudged:
+            readout_nudge(ws, fold, run.one_hot)
             torch.add(q, ws.dq, out=q_new)
     s[last].copy_(ws.q_rows[start + steps])
     # spd_t = |v_t L^T, sqrt(eps)| for the velocities v_t = q_{t+1} - q_t of these steps, all at once
@@ -269,16 +286,16 @@ def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
     ws.dq.addcmul_(ws.wsum, ws.qa)
 
 
-def leapfrog_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame, fold: FoldedFrame, start: int, steps: int,
-                    nudged: bool, integ: Integrator, one_hot: bool) -> None:
-    """`steps` damped-leapfrog steps from ws.state (any dt, gamma, mass); nudged rows pull q by -beta dloss/dq."""
+def leapfrog_steps(run: PhaseRun) -> None:
+    """Damped-leapfrog steps from ws.state (any dt, gamma, mass); nudged rows pull q by -beta dloss/dq."""
+    ws, integ = run.ws, run.integ
     s, p, f = ws.state.s, ws.state.p, ws.force
     decay, kick, drift = 1.0 - integ.gamma * integ.dt, integ.dt, integ.dt / integ.mass
     last = len(s) - 1
-    for t in range(start, start + steps):
-        forces(s, ws.drive, params, f)
-        if nudged:
-            readout_force(s[last], frame, ws.target_mask, ws.readout, ws.gnudge)
+    for t in range(run.start, run.start + run.steps):
+        forces(s, ws.drive, run.energy, f)
+        if run.nudged:
+            readout_force(s[last], run.frame, ws.target_mask, ws.readout, ws.gnudge)
             f[last].addcmul_(ws.gnudge, ws.beta_col)
         for i in range(len(s)):
             p[i].mul_(decay).add_(f[i], alpha=kick)
@@ -286,7 +303,7 @@ def leapfrog_window(ws: Workspace, params: EnergyParams, frame: ReadoutFrame, fo
             if i < last:
                 s[i].clamp_(0.0, 1.0)
         # v = (q_t - q_{t-1}) / dt = p_q / mass (q is never clamped); spd = |v L^T, sqrt(eps)|.
-        torch.addmm(fold.c, p[last], fold.lt, alpha=1.0 / integ.mass, out=ws.zv)
+        torch.addmm(run.fold.c, p[last], run.fold.lt, alpha=1.0 / integ.mass, out=ws.zv)
         torch.linalg.vector_norm(ws.zv, dim=1, out=ws.spd_rows[t])
 
 
@@ -302,6 +319,6 @@ def set_nudge_scale(ws: Workspace, fold: FoldedFrame, integ: Integrator) -> None
         torch.neg(ws.beta_sign, out=ws.beta_col)
 
 
-def window_function(integ: Integrator) -> WindowFn:
-    """The integrator's window, chosen once per run."""
-    return fixed_point_window if integ.fixed_point else leapfrog_window
+def phase_function(integ: Integrator) -> PhaseFn:
+    """The integrator's steps, chosen once per run."""
+    return fixed_point_steps if integ.fixed_point else leapfrog_steps

@@ -1,0 +1,58 @@
+"""Writes tests/data/reference_50_windows.json: parameters after 50 float64 windows of the dev and deep presets
+(and a three-hidden-layer dev machine), sampled at fixed positions, as trained by the code this is run on.
+
+    python tests/make_reference.py     # run once, on the commit named in the file; tests/test_reference.py reads it
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from trainer2.config import build_config, preset_path, read_yaml
+from trainer2.trainer import Trainer
+
+OUT = Path(__file__).resolve().parent / "data" / "reference_50_windows.json"
+CASES = {"dev": ("dev", {}), "deep": ("deep", {}), "dev_three_layers": ("dev", {"hidden_sizes": [48, 32, 24]})}
+SAMPLES = 64  # entries kept per parameter, evenly spaced over its flattened elements
+
+
+def reference_config(preset: str, overrides: dict, checkpoint_dir: str):
+    """The preset at float64 for 50 windows, no evaluation or checkpoints in between."""
+    flags = {"dtype": "float64", "max_windows": 50, "eval_every_windows": 0, "eval_batches": 1, "log_every_windows": 50,
+             "checkpoint_dir": checkpoint_dir, "run_name": "reference", **overrides}
+    return build_config([("preset", read_yaml(preset_path(preset))), ("test", flags)])
+
+
+def sample_positions(numel: int) -> list[int]:
+    return sorted({round(i * (numel - 1) / max(SAMPLES - 1, 1)) for i in range(min(SAMPLES, numel))})
+
+
+def trained_parameters(preset: str, overrides: dict) -> dict[str, torch.Tensor]:
+    """The named parameters after 50 windows (the trainer's own loop; its final save goes to a temporary dir)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(reference_config(preset, overrides, tmp), log=lambda *_: None)
+        trainer.train()
+        return {n: t.detach().clone() for n, t in zip(trainer.params.names, trainer.params.tensors, strict=True)}
+
+
+def main() -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    cases = {}
+    for case, (preset, overrides) in CASES.items():
+        params = trained_parameters(preset, overrides)
+        cases[case] = {"preset": preset, "overrides": overrides, "params": {
+            name: {"shape": list(t.shape), "norm": float(t.norm()),
+                   "positions": (pos := sample_positions(t.numel())),
+                   "values": [float(v) for v in t.reshape(-1)[pos]]}
+            for name, t in params.items()}}
+    OUT.write_text(json.dumps({"commit": commit, "cases": cases}) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
