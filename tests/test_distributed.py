@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 
 from trainer2.cli import main
 from trainer2.config import ConfigError, TrainConfig
-from trainer2.distributed import Distributed, DistributedError, GradReducer, init_distributed, rank_label
+from trainer2.distributed import Distributed, DistributedError, init_distributed, rank_label
+from trainer2.step import GradReducer
 from trainer2.params import ParamTable
 
 ROOT = Path(__file__).resolve().parent.parent

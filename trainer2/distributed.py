@@ -149,19 +149,3 @@ def param_checksum(params: Sequence[Tensor]) -> Tensor:
     """0-dim float64: sum_i (i + 1) * sum(p_i) + sum(p_i^2); equal on ranks whose parameters are identical."""
     terms = [(i + 1) * p.to(torch.float64).sum() + p.to(torch.float64).square().sum() for i, p in enumerate(params)]
     return torch.stack(terms).sum()
-
-
-@dataclass(frozen=True)
-class GradReducer:
-    """Averages the flat gradient buffer (every parameter's gradient, gathered by the update) over the ranks with one
-    all-reduce, in place. A non-finite gradient on any rank makes the sum non-finite everywhere, so every rank drops
-    the same update."""
-
-    flat: Tensor
-    dist: Distributed
-
-    def __call__(self) -> None:
-        # Nothing reads a value back, so a CUDA graph can capture it (NCCL collectives are capturable). The update
-        # needs the result at once, so there is nothing to overlap.
-        self.dist.all_reduce_sum(self.flat, "the gradient all-reduce")
-        self.flat.div_(self.dist.world_size)

@@ -8,18 +8,43 @@ a different gradient source is passed in at construction.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
-from trainer2.distributed import Distributed, GradReducer
 from trainer2.gradients import GradientSource, ep_gradients
 from trainer2.machine import Machine
 from trainer2.memory import MemoryBank
 from trainer2.params import ParamTable
 from trainer2.relaxation import Relaxation
 from trainer2.update import Updater
+
+
+class Collectives(Protocol):
+    """The processes of a run, as the batch step sees them (trainer2.distributed.Distributed under torchrun)."""
+
+    world_size: int
+    launched: bool  # started by torchrun: a process group exists
+
+    def all_reduce_sum(self, t: Tensor, what: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class GradReducer:
+    """Averages the flat gradient buffer (every parameter's gradient, gathered by the update) over the ranks with one
+    all-reduce, in place. A non-finite gradient on any rank makes the sum non-finite everywhere, so every rank drops
+    the same update."""
+
+    flat: Tensor
+    dist: Collectives
+
+    def __call__(self) -> None:
+        # Nothing reads a value back, so a CUDA graph can capture it (NCCL collectives are capturable). The update
+        # needs the result at once, so there is nothing to overlap.
+        self.dist.all_reduce_sum(self.flat, "the gradient all-reduce")
+        self.flat.div_(self.dist.world_size)
 
 
 @dataclass(frozen=True)
@@ -52,7 +77,7 @@ class BatchStep:
 
 def build_step(machine: Machine, cfg: TrainConfig, batch: int, memory: MemoryBank | None = None,
                gradients: GradientSource = ep_gradients, table: ParamTable | None = None,
-               dist: Distributed | None = None) -> BatchStep:
+               dist: Collectives | None = None) -> BatchStep:
     """A batch step for `batch` examples over `machine`; EP gradients unless another source is given; under
     torchrun (`dist.launched`) the gradients are averaged over the ranks before the update."""
     table = ParamTable.build(machine, cfg) if table is None else table
