@@ -133,7 +133,7 @@ def run_depth(args: argparse.Namespace, depth: int, ck_dir: str) -> tuple[dict[s
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="dev")
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3, 4], help="numbers of hidden layers")
     p.add_argument("--width", type=int, default=256, help="size of every hidden layer")

@@ -56,7 +56,7 @@ def measure(trainer: Trainer, batches: int, true_steps: int, per_param: bool = F
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="dev")
     p.add_argument("--train_windows", type=int, default=500, help="windows of training before the second measurement")
     p.add_argument("--batches", type=int, default=4)

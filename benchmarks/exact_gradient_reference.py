@@ -145,7 +145,7 @@ def benchmark_config(preset: str, examples: int, flags: list[str], run_name: str
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags.")
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags.")
     p.add_argument("--preset", default="production")
     p.add_argument("--examples", type=int, default=200_000, help="training examples (rounded up to whole batches)")
     p.add_argument("--ff", action="store_true", help="also train the feed-forward backprop baseline")

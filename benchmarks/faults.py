@@ -247,7 +247,7 @@ def divergence(runs: Runs) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--windows", type=int, default=2000)
     p.add_argument("--interrupts", type=int, default=8)
     p.add_argument("--kills", type=int, default=9)

@@ -53,7 +53,7 @@ def held_out_bits(train: np.ndarray, heldout: np.ndarray, n: int, vocab: int, co
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--orders", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="n-gram orders to fit")
     parser.add_argument("--context_len", type=int, default=8, help="the trainer's context length (sets which held-out characters are predicted)")
     parser.add_argument("--data", default=None, help="text file (default: the built-in corpus)")

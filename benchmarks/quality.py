@@ -53,7 +53,7 @@ def run(trainer: Trainer) -> dict[str, float | list]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags.")
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags.")
     p.add_argument("--preset", default="production", help="preset whose settings both machines use")
     p.add_argument("--examples", type=int, default=2_000_000, help="training examples for each run (rounded up to whole batches)")
     p.add_argument("--cosine_batches", type=int, default=4, help="training batches the EP cosine is averaged over")

@@ -81,7 +81,7 @@ def parameter_count(preset: str, extra: list[str]) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags.")
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags.")
     p.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="process counts to compare (default: 1 2)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of every process count")
     p.add_argument("--windows", type=int, default=600, help="windows per run")

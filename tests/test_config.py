@@ -362,3 +362,10 @@ def test_the_command_line_shows_the_rename_as_one_note(capsys):
     captured = capsys.readouterr()
     assert "free_steps: 9  # command line" in captured.out
     assert captured.err == "trainer2: note: tbptt_window_steps is now called free_steps (command line); the old name still works\n"
+
+
+def test_bench_refuses_an_abbreviated_flag(capsys):
+    """`bench --max_w 3` must not quietly mean --max_windows 3 (every parser takes flags spelled out in full)."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--max_w", "3"])
+    assert e.value.code == 2 and "--max_w" in capsys.readouterr().err

@@ -235,7 +235,7 @@ def report(rows: list[Row], cfg: TrainConfig, device: torch.device, argv: list[s
 
 
 def bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trainer2 bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="trainer2 bench", allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", help="Preset name in configs/ or a YAML path (the machine and window to time).")
     p.add_argument("--config", help="YAML file of config fields, applied over the preset.")
     p.add_argument("--batch_sizes", type=int, nargs="+", help="Batch sizes to time (default: 8 and the config's batch_size).")

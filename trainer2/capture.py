@@ -157,7 +157,7 @@ class StepRunner:
         self.steps += 1
         # Inference mode, not just no_grad: every operator skips the autograd bookkeeping that no_grad still does, and
         # the step's temporaries carry no version counter; on the CPU, where a dev window is some 300 small operators,
-        # that is most of commit c4ac50d's 1.11x (README, performance). Entered here, around the compiled function
+        # that is most of commit c4ac50d's 1.11x (docs/performance.md). Entered here, around the compiled function
         # rather than inside it (torch.compile refuses it there).
         with torch.inference_mode():
             if self.graph is not None:
