@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer2.geometry import rotor_layers, rotor_matrix
-from trainer2.machine import Machine
+from trainer2.physics.readout import rotor_layers, rotor_matrix
+from trainer2.physics.machine import Machine
 
 
 def relax(x: Tensor, weights: list[Tensor], biases: list[Tensor], steps: int, dt: float, gamma: float, mass: float) -> list[Tensor]:

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.ep_cosine import measure  # noqa: E402
 from trainer2.cli import train_parser  # noqa: E402
 from trainer2.flags import resolve_config  # noqa: E402
-from trainer2.relaxation import Relaxation  # noqa: E402
-from trainer2.trainer import Trainer, lr_at  # noqa: E402
+from trainer2.physics.relaxation import Relaxation  # noqa: E402
+from trainer2.running.trainer import Trainer, lr_at  # noqa: E402
 
 
 def settle_profile(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor, steps: int) -> tuple[list[float], list[float]]:

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.autograd_reference import cosine, exact_grads  # noqa: E402
 from trainer2.cli import train_parser  # noqa: E402
 from trainer2.flags import resolve_config  # noqa: E402
-from trainer2.machine import move_machine  # noqa: E402
-from trainer2.trainer import Trainer  # noqa: E402
+from trainer2.physics.machine import move_machine  # noqa: E402
+from trainer2.running.trainer import Trainer  # noqa: E402
 
 
 def to_float64(machine):

@@ -30,13 +30,13 @@ from benchmarks.autograd_reference import exact_grads, readout_loss  # noqa: E40
 from trainer2.cli import train_parser  # noqa: E402
 from trainer2.flags import resolve_config  # noqa: E402
 from trainer2.config import ConfigError, TrainConfig  # noqa: E402
-from trainer2.data import DataError, Sampler, heldout_batches  # noqa: E402
-from trainer2.evaluation import EVAL_BATCH  # noqa: E402
-from trainer2.geometry import ReadoutScratch, target_mask, readout_frame, readout_loss_and_grads  # noqa: E402
-from trainer2.gradients import StepResult  # noqa: E402
-from trainer2.machine import Machine, project_constraints  # noqa: E402
-from trainer2.relaxation import Relaxation, WindowStats  # noqa: E402
-from trainer2.trainer import Trainer, lr_at  # noqa: E402
+from trainer2.io.data import DataError, Sampler, heldout_batches  # noqa: E402
+from trainer2.running.evaluation import EVAL_BATCH  # noqa: E402
+from trainer2.physics.readout import ReadoutScratch, target_mask, readout_frame, readout_loss_and_grads  # noqa: E402
+from trainer2.learning.gradients import StepResult  # noqa: E402
+from trainer2.physics.machine import Machine, project_constraints  # noqa: E402
+from trainer2.physics.relaxation import Relaxation, WindowStats  # noqa: E402
+from trainer2.running.trainer import Trainer, lr_at  # noqa: E402
 
 
 def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResult:

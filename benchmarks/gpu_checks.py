@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from trainer2.bench import MODES, run
+    from trainer2.running.bench import MODES, run
 
     if not torch.cuda.is_available():
         print("gpu_checks: torch sees no CUDA GPU here; nothing to check", file=sys.stderr)

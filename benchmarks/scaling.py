@@ -74,7 +74,7 @@ def bare_allreduce_ms(world: int, numel: int, tmp: str) -> float:
 def parameter_count(preset: str, extra: list[str]) -> int:
     from trainer2.cli import train_parser
     from trainer2.flags import resolve_config
-    from trainer2.trainer import Trainer
+    from trainer2.running.trainer import Trainer
 
     cfg = resolve_config(train_parser().parse_args(["--preset", preset, "--device", "cpu", *extra]))
     return sum(t.numel() for t in Trainer(cfg, log=lambda msg: None).params.tensors)

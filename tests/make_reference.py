@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from trainer2.config import build_config, preset_path, read_yaml
-from trainer2.trainer import Trainer
+from trainer2.running.trainer import Trainer
 
 OUT = Path(__file__).resolve().parent / "data" / "reference_50_windows.json"
 CASES = {"dev": ("dev", {}), "deep": ("deep", {}), "dev_three_layers": ("dev", {"hidden_sizes": [48, 32, 24]})}

@@ -12,12 +12,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiny import tiny_config, tiny_machine
-from trainer2.capture import StaticBatch, StepRunner, step_tensors
-from trainer2.gradients import GradientSource, ep_gradients
-from trainer2.machine import move_machine
-from trainer2.memory import MemoryBank
-from trainer2.step import BatchStep, build_step
-from trainer2.trainer import Trainer
+from trainer2.running.step_runner import StaticBatch, StepRunner, step_tensors
+from trainer2.learning.gradients import GradientSource, ep_gradients
+from trainer2.physics.machine import move_machine
+from trainer2.physics.memory import MemoryBank
+from trainer2.learning.step import BatchStep, build_step
+from trainer2.running.trainer import Trainer
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (python -m benchmarks.gpu_checks on one)")
@@ -180,7 +180,7 @@ def test_trainer_runs_the_step_through_the_runner(small_text, tmp_path):
 
 
 def test_bench_times_every_mode_in_one_run(small_text):
-    from trainer2.bench import run as bench
+    from trainer2.running.bench import run as bench
 
     rows, table = bench(["--data", str(small_text), "--hidden_sizes", "8", "--free_steps", "3", "--nudge_steps", "2",
                          "--device", "cpu", "--modes", "eager", "graph", "--batch_sizes", "4", "--windows", "2"])

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer2 import checkpoint as ck
+from trainer2.running import checkpoint as ck
 from trainer2.cli import main
 from trainer2.config import TrainConfig
-from trainer2.trainer import Trainer
+from trainer2.running.trainer import Trainer
 
 TINY = dict(hidden_sizes=[8], coord_dim_n=4, rotor_k=3, context_len=3, embed_dim=3, batch_size=8,
             free_steps=4, nudge_steps=2, log_every_windows=10, eval_every_windows=10, eval_batches=2,

@@ -298,7 +298,7 @@ def test_print_config_with_resume_shows_the_checkpoint_layer(tmp_path, small_tex
 def test_cpu_threads_are_set_where_the_device_is_resolved():
     import torch
 
-    from trainer2.parts import resolve_device
+    from trainer2.running.parts import resolve_device
 
     before = torch.get_num_threads()
     try:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.tiny import tiny_config
-from trainer2.energy import energy
-from trainer2.machine import Machine, build_machine, coupling_cap, project_constraints
+from trainer2.physics.energy import energy
+from trainer2.physics.machine import Machine, build_machine, coupling_cap, project_constraints
 
 
 def coupling_weights(m: Machine) -> list[torch.Tensor]:
@@ -41,7 +41,7 @@ def deep(hidden: list[int], cap: float = 0.7, coord: int = 6) -> tuple:
 
 
 def test_explicit_hessian_is_the_energy_hessian():
-    """The matrix the other tests read eigenvalues from is autograd's Hessian of trainer2.energy.energy."""
+    """The matrix the other tests read eigenvalues from is autograd's Hessian of trainer2.physics.energy.energy."""
     cfg, m = deep([5, 4, 3])
     sizes = m.state_sizes()
     x = torch.randn(1, m.energy.weights[0].shape[1], dtype=torch.float64)

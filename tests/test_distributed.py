@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 
 from trainer2.cli import main
 from trainer2.config import ConfigError, TrainConfig
-from trainer2.distributed import Distributed, DistributedError, init_distributed, rank_label
-from trainer2.step import GradReducer
-from trainer2.params import ParamTable
+from trainer2.running.distributed import Distributed, DistributedError, init_distributed, rank_label
+from trainer2.learning.step import GradReducer
+from trainer2.learning.params import ParamTable
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOWS = 20
@@ -227,7 +227,7 @@ def test_environment_is_read_and_checked():
 
 
 def test_the_memory_bank_is_refused_on_several_processes():
-    from trainer2.trainer import Trainer
+    from trainer2.running.trainer import Trainer
 
     with pytest.raises(ConfigError, match="memory_capacity"):
         Trainer(TrainConfig(memory_capacity=64, batch_size=8), log=lambda m: None, dist=Distributed(1, 2, 1, True, 5.0))
@@ -239,7 +239,7 @@ def _worker(rank: int, world: int, init: str, results: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     d = Distributed(rank, world, rank, True, 30.0)
     from tiny import tiny_config, tiny_machine
-    from trainer2.update import Updater, flat_update
+    from trainer2.learning.update import Updater, flat_update
 
     cfg = tiny_config()
     m = tiny_machine(cfg)

@@ -7,8 +7,8 @@ import torch
 from benchmarks.autograd_reference import cosine, exact_grads
 from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.config import TrainConfig
-from trainer2.gradients import embedding_grad, ep_gradients
-from trainer2.relaxation import Relaxation
+from trainer2.learning.gradients import embedding_grad, ep_gradients
+from trainer2.physics.relaxation import Relaxation
 
 
 def ep_and_exact(**overrides):

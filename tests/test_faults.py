@@ -21,16 +21,16 @@ import torch
 from safetensors import SafetensorError
 
 from test_checkpoint import TINY, assert_same_checkpoint, config, flags, quiet, run_dir, saved, strip_wall  # noqa: F401 (saved: a fixture)
-from trainer2 import checkpoint as ck
-from trainer2 import telemetry as telemetry_module
+from trainer2.running import checkpoint as ck
+from trainer2.io import telemetry as telemetry_module
 from trainer2.cli import main
 from trainer2.config import preset_dir, read_yaml
-from trainer2.gradients import ep_gradients
-from trainer2.health import Diverged
-from trainer2.interrupt import StopSignals
-from trainer2.rundir import LOCK_FILE, RunLock, fresh_name
-from trainer2.telemetry import TELEMETRY_FILE, read_telemetry
-from trainer2.trainer import HISTORY_ROWS, Trainer
+from trainer2.learning.gradients import ep_gradients
+from trainer2.running.health import Diverged
+from trainer2.running.signals import StopSignals
+from trainer2.running.rundir import LOCK_FILE, RunLock, fresh_name
+from trainer2.io.telemetry import TELEMETRY_FILE, read_telemetry
+from trainer2.running.trainer import HISTORY_ROWS, Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 PATIENCE = 180.0  # seconds to wait for a subprocess on a loaded machine; polling ends as soon as it is there
@@ -96,7 +96,7 @@ def test_a_signal_saves_and_the_run_resumes_bitwise_identical(tmp_path, small_te
 def test_a_second_signal_ends_the_process_at_once_without_a_traceback():
     script = (
         "import os, signal, time\n"
-        "from trainer2.interrupt import StopSignals\n"
+        "from trainer2.running.signals import StopSignals\n"
         "with StopSignals() as s:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    while s.received is None: time.sleep(0.01)\n"
@@ -154,7 +154,7 @@ def test_ctrl_c_before_training_starts_is_not_a_traceback_and_leaves_no_director
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("trainer2.parts.load_dataset", interrupted)
+    monkeypatch.setattr("trainer2.running.parts.load_dataset", interrupted)
     assert main(flags(tmp_path, small_text, run_name="early")) == 130
     assert "interrupted" in capsys.readouterr().err
     assert not run_dir(tmp_path, "early").exists()  # the directory the lock created held nothing: removed

@@ -9,7 +9,7 @@ import pytest
 
 from trainer2.cli import main
 from trainer2.config import TrainConfig
-from trainer2.trainer import Trainer
+from trainer2.running.trainer import Trainer
 
 TINY = ["--hidden_sizes", "16", "--coord_dim_n", "4", "--rotor_k", "4", "--batch_size", "20",
         "--free_steps", "24", "--nudge_steps", "12", "--log_every_windows", "20"]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer2.geometry import (Candidates, ReadoutParams, ReadoutScratch, target_mask, readout_force, readout_frame, readout_loss_and_grads,
+from trainer2.physics.readout import (Candidates, ReadoutParams, ReadoutScratch, target_mask, readout_force, readout_frame, readout_loss_and_grads,
                                rotor_layers, rotor_layout, rotor_matrix)
 
 

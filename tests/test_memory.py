@@ -10,11 +10,11 @@ from safetensors.torch import load_file, save_file
 
 from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.config import ConfigError, build_config
-from trainer2.geometry import ReadoutScratch, readout_frame, readout_loss_and_grads, target_mask
-from trainer2.gradients import ep_gradients
-from trainer2.relaxation import Relaxation
-from trainer2.step import build_step
-from trainer2.memory import MemoryBank
+from trainer2.physics.readout import ReadoutScratch, readout_frame, readout_loss_and_grads, target_mask
+from trainer2.learning.gradients import ep_gradients
+from trainer2.physics.relaxation import Relaxation
+from trainer2.learning.step import build_step
+from trainer2.physics.memory import MemoryBank
 
 
 def bank(capacity: int, batch: int, n: int = 2) -> MemoryBank:

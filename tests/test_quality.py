@@ -15,10 +15,10 @@ from benchmarks import exact_gradient_reference as ref_module
 from benchmarks.exact_gradient_reference import benchmark_config, exact_gradients, exact_trainer, train_feedforward
 from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.config import ConfigError, build_config
-from trainer2.gradients import ep_gradients
-from trainer2.relaxation import Relaxation
-from trainer2.trainer import Trainer, lr_at
-from trainer2.update import Updater
+from trainer2.learning.gradients import ep_gradients
+from trainer2.physics.relaxation import Relaxation
+from trainer2.running.trainer import Trainer, lr_at
+from trainer2.learning.update import Updater
 
 FAST = dict(hidden_sizes=[16], coord_dim_n=4, rotor_k=4, context_len=3, embed_dim=3, batch_size=16, free_steps=12,
             nudge_steps=6, beta_nudge=0.003, r_init=4.0, proto_init_scale=0.3, log_every_windows=10, eval_every_windows=20,

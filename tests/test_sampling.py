@@ -9,10 +9,10 @@ import torch
 
 from trainer2.cli import main
 from trainer2.config import TrainConfig
-from trainer2.data import DataError
-from trainer2.relaxation import Relaxation
-from trainer2.sampling import generate, next_char_probs
-from trainer2.trainer import Trainer
+from trainer2.io.data import DataError
+from trainer2.physics.relaxation import Relaxation
+from trainer2.running.sampling import generate, next_char_probs
+from trainer2.running.trainer import Trainer
 
 
 @pytest.fixture

@@ -20,10 +20,10 @@ from tqdm import tqdm
 from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.cli import main
 from trainer2.config import ConfigError, build_config, preset_path, read_yaml
-from trainer2.step import build_step
-from trainer2.profiling import PHASES, PhaseTimer, drop_kineto_markers
-from trainer2.telemetry import CacheCleaner, Monitor, Telemetry, TelemetryError, read_telemetry, should_cleanup
-from trainer2.trainer import Trainer
+from trainer2.learning.step import build_step
+from trainer2.io.profiling import PHASES, PhaseTimer, drop_kineto_markers
+from trainer2.io.telemetry import CacheCleaner, Monitor, Telemetry, TelemetryError, read_telemetry, should_cleanup
+from trainer2.running.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = {
@@ -222,7 +222,7 @@ def test_progress_bar_in_a_pipe_does_not_flood(small_text, tmp_path, capsys, mon
             super().__init__(*args, **{**kwargs, "disable": False})  # a bar that shows, whatever TQDM_DISABLE says
             bars.append(self)
 
-    monkeypatch.setattr("trainer2.trainer.tqdm", Spy)
+    monkeypatch.setattr("trainer2.running.trainer.tqdm", Spy)
     cfg = build_config([("test", run_flags(small_text, tmp_path, max_windows=40, log_every_windows=1, eval_every_windows=0,
                                            step_progress_every=2))])
     Trainer(cfg, log=lambda s: None).train()
@@ -245,7 +245,7 @@ def test_the_compile_is_kept_out_of_the_progress_bars_rate_and_eta(small_text, t
             self.last = dict(self.format_dict)
             super().close()
 
-    monkeypatch.setattr("trainer2.trainer.tqdm", Spy)
+    monkeypatch.setattr("trainer2.running.trainer.tqdm", Spy)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # a "compiled" step that is the eager one
     cfg = build_config([("test", run_flags(small_text, tmp_path, use_torch_compile=True, max_windows=6, eval_every_windows=0))])
     trainer = Trainer(cfg, log=lambda s: None)
@@ -268,7 +268,7 @@ def test_a_disabled_bar_with_step_progress_runs_and_reads_nothing_per_step(small
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **{**kwargs, "disable": True})  # what TQDM_DISABLE=1 does (tqdm reads it at import)
 
-    monkeypatch.setattr("trainer2.trainer.tqdm", Disabled)
+    monkeypatch.setattr("trainer2.running.trainer.tqdm", Disabled)
     cfg = build_config([("test", run_flags(small_text, tmp_path, max_windows=3, log_every_windows=1, eval_every_windows=0,
                                            step_progress_every=2))])
     trainer = Trainer(cfg, log=lambda s: None)

@@ -11,9 +11,9 @@ import pytest
 
 from trainer2.cli import main
 from trainer2.config import ConfigError, build_config
-from trainer2.telemetry import read_telemetry
-from trainer2.tracking import TB_DIR, tag
-from trainer2.trainer import Trainer
+from trainer2.io.telemetry import read_telemetry
+from trainer2.io.tensorboard import TB_DIR, tag
+from trainer2.running.trainer import Trainer
 
 
 def tiny(data: Path, ck: Path, **over) -> list[str]:

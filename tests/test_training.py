@@ -10,8 +10,8 @@ import torch
 
 from trainer2.cli import main
 from trainer2.config import build_config
-from trainer2.step import BatchStep
-from trainer2.trainer import Trainer
+from trainer2.learning.step import BatchStep
+from trainer2.running.trainer import Trainer
 
 FAST = dict(hidden_sizes=[32], coord_dim_n=8, rotor_k=8, context_len=4, embed_dim=4, batch_size=16,
             free_steps=12, nudge_steps=6, log_every_windows=20, eval_every_windows=0, eta_update=0.01)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tiny import tiny_config
-from trainer2.update import UpdateState, flat_update
+from trainer2.learning.update import UpdateState, flat_update
 
 
 def make_state(flat, rule: str) -> UpdateState:

@@ -8,11 +8,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiny import tiny_batch, tiny_config, tiny_machine
-from trainer2.capture import step_tensors
-from trainer2.energy import energy, input_drive
-from trainer2.memory import MemoryBank
-from trainer2.relaxation import Relaxation
-from trainer2.window import Integrator, PhaseRun, Workspace, fixed_point_steps, leapfrog_steps, set_nudge_scale
+from trainer2.running.step_runner import step_tensors
+from trainer2.physics.energy import energy, input_drive
+from trainer2.physics.memory import MemoryBank
+from trainer2.physics.relaxation import Relaxation
+from trainer2.physics.dynamics import Integrator, PhaseRun, Workspace, fixed_point_steps, leapfrog_steps, set_nudge_scale
 
 
 def primed(memory_capacity: int = 0, **overrides):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from trainer2.config import TrainConfig
-from trainer2.machine import Machine, build_machine
+from trainer2.physics.machine import Machine, build_machine
 
 
 def tiny_config(**overrides) -> TrainConfig:

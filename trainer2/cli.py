@@ -19,17 +19,17 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer2.checkpoint import CheckpointError, read_meta
+from trainer2.running.checkpoint import CheckpointError, read_meta
 from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
-from trainer2.data import DataError
-from trainer2.distributed import DistributedError, init_distributed, rank_label
+from trainer2.io.data import DataError
+from trainer2.running.distributed import DistributedError, init_distributed, rank_label
 from trainer2.flags import add_config_flags, config_layers, none_or
-from trainer2.health import Diverged
-from trainer2.interrupt import exit_code
-from trainer2.plot import cmd_plot
-from trainer2.resume import fresh_layers, fresh_run_guard, resume_config, resume_layers, resume_target
-from trainer2.rundir import RunDirError, RunLock, remove_orphans
-from trainer2.tracking import check_tracking
+from trainer2.running.health import Diverged
+from trainer2.running.signals import exit_code
+from trainer2.io.plot import cmd_plot
+from trainer2.running.resume import fresh_layers, fresh_run_guard, resume_config, resume_layers, resume_target
+from trainer2.running.rundir import RunDirError, RunLock, remove_orphans
+from trainer2.io.tensorboard import check_tracking
 
 EXIT_REFUSED, EXIT_DIVERGED, EXIT_IOERR = 2, 3, 74  # 74: EX_IOERR of sysexits.h
 
@@ -71,7 +71,7 @@ def cmd_train(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
     if args.print_config:
         return print_config(args)
-    from trainer2.trainer import Trainer
+    from trainer2.running.trainer import Trainer
 
     layers = config_layers(args)
     if args.resume:
@@ -142,13 +142,13 @@ def resume_command(cfg: TrainConfig) -> str:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    from trainer2.bench import main as bench_main
+    from trainer2.running.bench import main as bench_main
 
     return bench_main(argv)
 
 
 def cmd_sample(argv: list[str]) -> int:
-    from trainer2.sampling import cmd_sample as run
+    from trainer2.running.sampling import cmd_sample as run
 
     return run(argv)
 
@@ -161,7 +161,7 @@ def cmd_evaluate(argv: list[str]) -> int:
                    help="Held-out batches of 512 to score; none = all (default: the checkpoint's).")
     args = vars(p.parse_args(argv))
     path = Path(args.pop("checkpoint"))
-    from trainer2.evaluation import load_trained
+    from trainer2.running.evaluation import load_trained
 
     trained = load_trained(path, args)
     out = {"checkpoint": str(path), "window": trained.window, **trained.evaluate()}

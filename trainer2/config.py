@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from trainer2.couplings import KINDS
+from trainer2.physics.couplings import KINDS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_YAML_BYTES = 1 << 20  # a config is a few hundred bytes; the cap bounds what a hostile file can cost

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainer2.checkpoint import META_FILE, STEP_RE, TMP_PREFIX, list_checkpoints
-from trainer2.telemetry import CONFIG_FILE, TELEMETRY_FILE
+from trainer2.running.checkpoint import META_FILE, STEP_RE, TMP_PREFIX, list_checkpoints
+from trainer2.io.telemetry import CONFIG_FILE, TELEMETRY_FILE
 
 try:
     import fcntl

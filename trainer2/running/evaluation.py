@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer2.checkpoint import CheckpointError, load_checked, read_meta
+from trainer2.running.checkpoint import CheckpointError, load_checked, read_meta
 from trainer2.config import ConfigError, TrainConfig, build_config
-from trainer2.data import Dataset, heldout_batches
-from trainer2.machine import Machine
-from trainer2.memory import MemoryBank
-from trainer2.parts import build_parts, resolve_device
-from trainer2.relaxation import Relaxation
+from trainer2.io.data import Dataset, heldout_batches
+from trainer2.physics.machine import Machine
+from trainer2.physics.memory import MemoryBank
+from trainer2.running.parts import build_parts, resolve_device
+from trainer2.physics.relaxation import Relaxation
 
 EVAL_BATCH = 512  # held-out examples per scoring batch
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from trainer2.couplings.coupling import Coupling
-from trainer2.couplings.dense import Dense
+from trainer2.physics.couplings.coupling import Coupling
+from trainer2.physics.couplings.dense import Dense
 
 KINDS: dict[str, type] = {"dense": Dense}
 

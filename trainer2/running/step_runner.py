@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
-from trainer2.step import BatchStep
+from trainer2.learning.step import BatchStep
 
 Log = Callable[[str], None]
 

@@ -14,12 +14,12 @@ import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
-from trainer2.energy import input_drive
-from trainer2.geometry import Candidates, ReadoutFrame, ReadoutResult, readout_frame, readout_loss_and_grads, readout_scores
-from trainer2.machine import Machine
-from trainer2.memory import MemoryBank
-from trainer2.nudge import NudgeScheme
-from trainer2.window import FoldBlocks, FoldedFrame, Integrator, PhaseRun, State, Workspace, fold_frame, phase_function, set_nudge_scale
+from trainer2.physics.energy import input_drive
+from trainer2.physics.readout import Candidates, ReadoutFrame, ReadoutResult, readout_frame, readout_loss_and_grads, readout_scores
+from trainer2.physics.machine import Machine
+from trainer2.physics.memory import MemoryBank
+from trainer2.physics.nudge import NudgeScheme
+from trainer2.physics.dynamics import FoldBlocks, FoldedFrame, Integrator, PhaseRun, State, Workspace, fold_frame, phase_function, set_nudge_scale
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Relaxation:
         # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
         self.s_plus = self.nudge.plus(self.ws_nudged.state.s, batch)
         self.s_minus = self.nudge.minus(self.ws_nudged.state.s, self.s0.s, batch)
-        # Observability hooks (trainer2.telemetry): a timed/labelled context per phase, and progress
+        # Observability hooks (trainer2.io.telemetry): a timed/labelled context per phase, and progress
         # inside a window, on_steps(phase, step, steps, spd_last, lior), every progress_every steps.
         self.phase: Callable[[str], AbstractContextManager[None]] = lambda name: nullcontext()
         self.progress_every = 0

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
-from trainer2.gradients import StepResult
-from trainer2.machine import Machine, project_constraints
-from trainer2.params import GROUPS, ParamTable
+from trainer2.learning.gradients import StepResult
+from trainer2.physics.machine import Machine, project_constraints
+from trainer2.learning.params import GROUPS, ParamTable
 
 
 @dataclass

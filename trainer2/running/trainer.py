@@ -18,24 +18,24 @@ from safetensors import SafetensorError
 from torch import Tensor
 from tqdm import tqdm
 
-from trainer2 import checkpoint as ck
-from trainer2.capture import StepRunner
+from trainer2.running import checkpoint as ck
+from trainer2.running.step_runner import StepRunner
 from trainer2.config import ConfigError, TrainConfig, to_yaml
-from trainer2.data import Dataset, Sampler
-from trainer2.distributed import Distributed
-from trainer2.evaluation import heldout_from_sums, heldout_sums, relaxation_cache
-from trainer2.gradients import GradientSource, ep_gradients
-from trainer2.health import Diverged, Health, divergence_message, nonfinite
-from trainer2.interrupt import STOP_SIGNALS, StopSignals
-from trainer2.machine import Machine
-from trainer2.memory import MemoryBank
-from trainer2.params import ParamTable
-from trainer2.parts import build_parts, resolve_device
-from trainer2.relaxation import Relaxation
-from trainer2.rundir import SUMMARY_FILE, write_error
-from trainer2.step import BatchStep, build_step
-from trainer2.telemetry import Monitor
-from trainer2.update import Updater
+from trainer2.io.data import Dataset, Sampler
+from trainer2.running.distributed import Distributed
+from trainer2.running.evaluation import heldout_from_sums, heldout_sums, relaxation_cache
+from trainer2.learning.gradients import GradientSource, ep_gradients
+from trainer2.running.health import Diverged, Health, divergence_message, nonfinite
+from trainer2.running.signals import STOP_SIGNALS, StopSignals
+from trainer2.physics.machine import Machine
+from trainer2.physics.memory import MemoryBank
+from trainer2.learning.params import ParamTable
+from trainer2.running.parts import build_parts, resolve_device
+from trainer2.physics.relaxation import Relaxation
+from trainer2.running.rundir import SUMMARY_FILE, write_error
+from trainer2.learning.step import BatchStep, build_step
+from trainer2.io.telemetry import Monitor
+from trainer2.learning.update import Updater
 
 # Parts wired once in __init__; assigning one afterwards is refused (pass gradients= to Trainer instead).
 WIRED = frozenset({"cfg", "dist", "device", "data", "machine", "memory", "params", "batch_step", "runner", "sampler", "monitor", "run_dir"})
@@ -136,7 +136,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Run to total_windows(), save a checkpoint and the summary, and return the summary. The first SIGINT or
         SIGTERM stops the run after the current window, still saving both (summary["interrupted"] names the
-        signal); a divergence (trainer2.health) stops it without saving, and raises Diverged."""
+        signal); a divergence (trainer2.running.health) stops it without saving, and raises Diverged."""
         cfg, total = self.cfg, self.total_windows()
         self.log("config:\n" + to_yaml(cfg).rstrip())
         self.log(f"data: {self.data.source} ({self.data.kind}, {self.data.num_examples('train')} train / "
@@ -330,7 +330,7 @@ class Trainer:
     # --- outputs ---
 
     def save_checkpoint(self) -> Path:
-        """Write <run_dir>/step_<window>/ atomically (trainer2.checkpoint) and prune to keep_last; under torchrun
+        """Write <run_dir>/step_<window>/ atomically (trainer2.running.checkpoint) and prune to keep_last; under torchrun
         every rank calls it (the metric sums are gathered into rank 0's) and rank 0 writes."""
         self.dist.check_in(self.updater.metrics.values, self.params.tensors, everywhere=False)
         path = self.run_dir / ck.step_name(self.progress.window)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.energy import Energy, forces
-from trainer2.geometry import ReadoutFrame, ReadoutScratch, readout_force
+from trainer2.physics.energy import Energy, forces
+from trainer2.physics.readout import ReadoutFrame, ReadoutScratch, readout_force
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The parts a run computes with, built in one place for training, evaluation, sampling and bench.
 
 `build_parts` loads the data and builds the machine (and the memory bank) from a config, deterministically from
-its seed; the batch step around them is `trainer2.step.build_step`. Nothing else constructs these parts.
+its seed; the batch step around them is `trainer2.learning.step.build_step`. Nothing else constructs these parts.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from trainer2.config import ConfigError, TrainConfig
-from trainer2.data import Dataset, load_dataset
-from trainer2.machine import Machine, build_machine
-from trainer2.memory import MemoryBank
+from trainer2.io.data import Dataset, load_dataset
+from trainer2.physics.machine import Machine, build_machine
+from trainer2.physics.memory import MemoryBank
 
 
 @dataclass(frozen=True)

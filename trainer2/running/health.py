@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer2 import checkpoint as ck
+from trainer2.running import checkpoint as ck
 
 # A settled free phase ends at spd_last = sqrt(eps): the dev preset sits at 1.00-1.02x; 3 or 6 free steps instead of
 # 12 end at up to 2.5x and 26x and learn as well; gamma 0.2 ends at 230-460x and learns visibly worse.

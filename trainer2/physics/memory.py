@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.geometry import Candidates
+from trainer2.physics.readout import Candidates
 
 
 @dataclass

@@ -23,15 +23,15 @@ import torch._inductor.config
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
-from trainer2.capture import StepRunner
+from trainer2.running.step_runner import StepRunner
 from trainer2.flags import add_config_flags, resolve_config
 from trainer2.config import ConfigError, TrainConfig
-from trainer2.data import Dataset, Sampler, load_dataset
-from trainer2.parts import build_parts, resolve_device
-from trainer2.nudge import NudgeScheme
-from trainer2.profiling import drop_kineto_markers
-from trainer2.step import BatchStep, build_step
-from trainer2.profiling import PhaseTimer
+from trainer2.io.data import Dataset, Sampler, load_dataset
+from trainer2.running.parts import build_parts, resolve_device
+from trainer2.physics.nudge import NudgeScheme
+from trainer2.io.profiling import drop_kineto_markers
+from trainer2.learning.step import BatchStep, build_step
+from trainer2.io.profiling import PhaseTimer
 
 MODES = ("eager", "graph", "compile", "compile+graph", "reduce-overhead")
 # Top-level CPU ops that launch no kernel: views and allocations.

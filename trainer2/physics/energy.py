@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer2.couplings import KINDS, Coupling
+from trainer2.physics.couplings import KINDS, Coupling
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
-from trainer2.machine import Machine, split_flat
+from trainer2.physics.machine import Machine, split_flat
 
 GROUPS = ("energy", "readout", "embed")
 

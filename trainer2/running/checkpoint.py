@@ -1,7 +1,7 @@
 """Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/ with tensors.safetensors and a meta.json sidecar.
 
 This module does the atomic I/O and the validation; what goes into a checkpoint is the Trainer's
-(`Trainer.state_dict` / `load_state_dict`), and the resume policy is trainer2.resume's.
+(`Trainer.state_dict` / `load_state_dict`), and the resume policy is trainer2.running.resume's.
 
 A save writes a temporary directory beside the target, fsyncs it and renames it into place, so a
 directory named step_<N> is always complete; the sidecar (written last) carries the size and sha256
@@ -26,7 +26,7 @@ from torch import Tensor
 from trainer2.config import TrainConfig, upgrade_legacy
 
 if TYPE_CHECKING:
-    from trainer2.data import Dataset
+    from trainer2.io.data import Dataset
 
 FORMAT_VERSION = 2  # 2: the sampler state is O(1) (no stored permutation); text tokens hashed in their smallest type
 TENSORS_FILE = "tensors.safetensors"

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
-from trainer2.energy import Energy, init_energy
-from trainer2.geometry import Candidates, ReadoutParams, RotorLayout, rotor_layout
+from trainer2.physics.energy import Energy, init_energy
+from trainer2.physics.readout import Candidates, ReadoutParams, RotorLayout, rotor_layout
 
 
 @dataclass

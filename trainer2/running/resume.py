@@ -13,9 +13,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trainer2.checkpoint import META_FILE, CheckpointError, check_config, list_checkpoints, read_meta, resolve_checkpoint, step_of
+from trainer2.running.checkpoint import META_FILE, CheckpointError, check_config, list_checkpoints, read_meta, resolve_checkpoint, step_of
 from trainer2.config import ConfigError, TrainConfig, build_config
-from trainer2.rundir import RunDirError, fresh_name, newest_run, run_files
+from trainer2.running.rundir import RunDirError, fresh_name, newest_run, run_files
 
 Layers = list[tuple[str, dict[str, Any]]]
 LOCATION = ("checkpoint_dir", "run_name")

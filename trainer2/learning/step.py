@@ -14,16 +14,16 @@ import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
-from trainer2.gradients import GradientSource, ep_gradients
-from trainer2.machine import Machine
-from trainer2.memory import MemoryBank
-from trainer2.params import ParamTable
-from trainer2.relaxation import Relaxation
-from trainer2.update import Updater
+from trainer2.learning.gradients import GradientSource, ep_gradients
+from trainer2.physics.machine import Machine
+from trainer2.physics.memory import MemoryBank
+from trainer2.learning.params import ParamTable
+from trainer2.physics.relaxation import Relaxation
+from trainer2.learning.update import Updater
 
 
 class Collectives(Protocol):
-    """The processes of a run, as the batch step sees them (trainer2.distributed.Distributed under torchrun)."""
+    """The processes of a run, as the batch step sees them (trainer2.running.distributed.Distributed under torchrun)."""
 
     world_size: int
     launched: bool  # started by torchrun: a process group exists

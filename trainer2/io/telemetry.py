@@ -17,9 +17,9 @@ import torch
 from tqdm import tqdm
 
 from trainer2.config import TrainConfig, to_yaml
-from trainer2.relaxation import Relaxation
-from trainer2.profiling import PhaseTimer, WindowProfiler, timing_table
-from trainer2.tracking import TensorBoardLog
+from trainer2.physics.relaxation import Relaxation
+from trainer2.io.profiling import PhaseTimer, WindowProfiler, timing_table
+from trainer2.io.tensorboard import TensorBoardLog
 
 TELEMETRY_FILE = "telemetry.jsonl"
 CONFIG_FILE = "config.yaml"

@@ -14,9 +14,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from trainer2.energy import ep_grads
-from trainer2.geometry import indicator
-from trainer2.relaxation import Relaxation, WindowStats
+from trainer2.physics.energy import ep_grads
+from trainer2.physics.readout import indicator
+from trainer2.physics.relaxation import Relaxation, WindowStats
 
 
 @dataclass

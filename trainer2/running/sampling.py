@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from trainer2.config import ConfigError
-from trainer2.data import encode
-from trainer2.evaluation import load_trained
-from trainer2.relaxation import Relaxation
+from trainer2.io.data import encode
+from trainer2.running.evaluation import load_trained
+from trainer2.physics.relaxation import Relaxation
 
 MAX_LENGTH = 1_000_000  # characters per call: one free phase each, so about a day of CPU at the limit
 
