@@ -1,11 +1,13 @@
 """Cosine between the trainer's EP update and the true gradient, on real batches, with a preset's own settings.
 
-    python benchmarks/ep_cosine.py --preset dev [--train_windows 500] [--batches 4] [--per_param] [--hidden_sizes 256 256]
+    python benchmarks/ep_cosine.py --preset dev [--train_windows 500] [--batches 4] [--per_param]
+        [--hidden_sizes 256 256]
 
 The true gradient is autograd through a long (converged) relaxation in float64; the EP estimate is the
-trainer's own gradient source (`Trainer.gradients`, EP) with the preset's window lengths and dtype. Printed per parameter group
-and for all parameters together, at initialisation and after some training; with --per_param also per parameter
-(W_1, b_1, ..., W_out, b_out, the readout tensors, emb), which shows the estimate layer by layer in a deep machine.
+trainer's own gradient source (`Trainer.gradients`, EP) with the preset's window lengths and dtype. Printed per
+parameter group and for all parameters together, at initialisation and after some training; with --per_param also
+per parameter (W_1, b_1, ..., W_out, b_out, the readout tensors, emb), which shows the estimate layer by layer in a
+deep machine.
 """
 
 from __future__ import annotations
@@ -41,7 +43,17 @@ def measure(trainer: Trainer, batches: int, true_steps: int, per_param: bool = F
         inputs, targets = trainer.next_batch()
         with torch.no_grad():
             est = trainer.gradients(trainer.relaxation, inputs.to(trainer.device), targets.to(trainer.device)).grads
-        ref, _ = exact_grads(to_float64(trainer.machine), inputs.cpu(), targets.cpu(), true_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+        ref, _ = exact_grads(
+            to_float64(trainer.machine),
+            inputs.cpu(),
+            targets.cpu(),
+            true_steps,
+            cfg.dt,
+            cfg.gamma,
+            cfg.mass,
+            cfg.retrieval_beta,
+            cfg.eps,
+        )
         groups: dict[str, tuple[list, list]] = {}
         for n, g in est.items():
             a, b = groups.setdefault(trainer.machine.param_groups()[n], ([], []))
@@ -65,15 +77,35 @@ def main() -> None:
     p.add_argument("--hidden_sizes", type=int, nargs="+", help="override the preset's hidden layers (e.g. 256 256 256)")
     args = p.parse_args()
     hidden = [] if args.hidden_sizes is None else ["--hidden_sizes", *map(str, args.hidden_sizes)]
-    cfg = resolve_config(train_parser().parse_args(["--preset", args.preset, "--device", "cpu", "--run_name", f"ep_cosine_{args.preset}",
-                                                    "--max_windows", str(max(1, args.train_windows)), "--eval_batches", "2", *hidden]))
+    cfg = resolve_config(
+        train_parser().parse_args(
+            [
+                "--preset",
+                args.preset,
+                "--device",
+                "cpu",
+                "--run_name",
+                f"ep_cosine_{args.preset}",
+                "--max_windows",
+                str(max(1, args.train_windows)),
+                "--eval_batches",
+                "2",
+                *hidden,
+            ]
+        )
+    )
     trainer = Trainer(cfg, log=lambda *_: None)
-    print(f"preset {args.preset}, layers {cfg.layers}: T_free={cfg.free_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, "
-          f"symmetric={cfg.symmetric_nudge}, dtype={cfg.dtype}; reference: {args.true_steps} steps, float64")
+    print(
+        f"preset {args.preset}, layers {cfg.layers}: "
+        f"T_free={cfg.free_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, "
+        f"symmetric={cfg.symmetric_nudge}, dtype={cfg.dtype}; reference: {args.true_steps} steps, float64"
+    )
     rows = [("init", measure(trainer, args.batches, args.true_steps, args.per_param))]
     if args.train_windows:
         trainer.train()
-        rows.append((f"after {args.train_windows} windows", measure(trainer, args.batches, args.true_steps, args.per_param)))
+        rows.append(
+            (f"after {args.train_windows} windows", measure(trainer, args.batches, args.true_steps, args.per_param))
+        )
     keys = list(rows[0][1])
     width = max(9, *map(len, keys))
     print(f"{'':>{width}} " + " ".join(f"{label:>22}" for label, _ in rows))  # one line per group or parameter

@@ -129,7 +129,7 @@ def test_tokens_use_the_smallest_integer_type(tmp_path: Path) -> None:
 def test_text_read_in_chunks_splits_no_character(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # 7-byte chunks cut 2-, 3- and 4-byte characters in half; the result must equal a whole-file decode.
     monkeypatch.setattr("trainer2.io.data.TEXT_CHUNK", 7)
-    content = "a\u00e9\u2014\U0001F600 zb\n" * 40
+    content = "a\u00e9\u2014\U0001f600 zb\n" * 40
     ds = load_dataset(write_text(tmp_path, content), context_len=3)
     assert ds.vocab == sorted(set(content))
     assert ds.decode(torch.cat([ds.train, ds.heldout])) == content

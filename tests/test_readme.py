@@ -113,8 +113,11 @@ def commands_in(path: Path, text: str | None = None) -> list[Command]:
             found += commands_on(f"{path.name}:{lineno}", line.strip().removeprefix("$ "), refused)
     for lineno, line in enumerate(text.split("\n"), 1):
         for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", line):
-            found += [c for c in commands_on(f"{path.name}:{lineno}", span, False)
-                      if c.program != "trainer2" or len(c.argv) > 1 or any(a.startswith("--") for a in c.argv)]
+            found += [
+                c
+                for c in commands_on(f"{path.name}:{lineno}", span, False)
+                if c.program != "trainer2" or len(c.argv) > 1 or any(a.startswith("--") for a in c.argv)
+            ]
     return found
 
 
@@ -229,15 +232,23 @@ def test_readme_shows_every_command() -> None:
 def test_unknown_flag_is_caught(tmp_path: Path, monkeypatch: Patch, capsys: Capture) -> None:
     """A doc command with a flag the parser does not know, or a value the config refuses, fails the check."""
     doc = tmp_path / "doc.md"
-    doc.write_text("Run:\n\n```bash\nOMP_NUM_THREADS=1 python main.py --preset dev --no_such_flag 3\n"
-                   "torchrun --nproc_per_node 2 main.py --preset dev --spectral_cap 2\n"
-                   "python main.py sample --checkpoint c --temprature 0.8\n```\n\n"
-                   "or `trainer2 --preset dev --max_w 3`, or\n\n"
-                   "    python benchmarks/quality.py --skip exact ff --hiden_sizes 512\n"
-                   "    python benchmarks/ep_cosine.py --preset dev --train_steps 3000\n")
+    doc.write_text(
+        "Run:\n\n```bash\nOMP_NUM_THREADS=1 python main.py --preset dev --no_such_flag 3\n"
+        "torchrun --nproc_per_node 2 main.py --preset dev --spectral_cap 2\n"
+        "python main.py sample --checkpoint c --temprature 0.8\n```\n\n"
+        "or `trainer2 --preset dev --max_w 3`, or\n\n"
+        "    python benchmarks/quality.py --skip exact ff --hiden_sizes 512\n"
+        "    python benchmarks/ep_cosine.py --preset dev --train_steps 3000\n"
+    )
     commands = commands_in(doc)
-    assert [c.argv[-2] for c in commands] == ["--no_such_flag", "--spectral_cap", "--temprature", "--hiden_sizes",
-                                              "--train_steps", "--max_w"]
+    assert [c.argv[-2] for c in commands] == [
+        "--no_such_flag",
+        "--spectral_cap",
+        "--temprature",
+        "--hiden_sizes",
+        "--train_steps",
+        "--max_w",
+    ]
     errors = [check(c, monkeypatch, capsys) for c in commands]
     assert "unrecognized arguments: --no_such_flag 3" in errors[0]
     assert "spectral_cap" in errors[1]
@@ -253,8 +264,13 @@ EXTERNAL_FLAGS = {"--index-url", "--nproc_per_node", "--standalone", "--logdir"}
 def known_flags(monkeypatch: Patch, capsys: Capture) -> set[str]:
     """Every option string of the trainer's commands, read from their parsers."""
     flags: set[str] = set()
-    for argv in (["--preset", "dev"], ["evaluate", "--checkpoint", "c"], ["sample", "--checkpoint", "c"], ["bench"],
-                 ["plot", "run"]):
+    for argv in (
+        ["--preset", "dev"],
+        ["evaluate", "--checkpoint", "c"],
+        ["sample", "--checkpoint", "c"],
+        ["bench"],
+        ["plot", "run"],
+    ):
         parsed = parse_only(lambda: cli.main(argv), monkeypatch, capsys)
         assert isinstance(parsed, Parsed), parsed
         flags |= set(parsed.parser._option_string_actions)

@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 import torch
-
 from tiny import tiny_config, tiny_machine
+
 from trainer2.learning.params import ParamTable
 
 PACKAGE = Path(__file__).resolve().parent.parent / "trainer2"
@@ -27,8 +27,10 @@ def module_name(path: Path) -> str:
 
 def import_graph() -> dict[str, set[str]]:
     """module -> trainer2 modules it imports anywhere in the file (function-level imports included)."""
-    pattern = re.compile(r"^\s*(?:from trainer2\.([\w.]+) import ([\w, ]+)|from trainer2 import ([\w, ]+)|import trainer2\.([\w.]+))",
-                         re.M)
+    pattern = re.compile(
+        r"^\s*(?:from trainer2\.([\w.]+) import ([\w, ]+)|from trainer2 import ([\w, ]+)|import trainer2\.([\w.]+))",
+        re.M,
+    )
     modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
     graph = {}
     for path in PACKAGE.rglob("*.py"):
@@ -40,7 +42,9 @@ def import_graph() -> dict[str, set[str]]:
                 found |= {n for n in names if n in modules}
             else:
                 found.add(base)
-                found |= {f"{base}.{n}" for n in names if f"{base}.{n}" in modules}  # from trainer2.running import checkpoint
+                found |= {
+                    f"{base}.{n}" for n in names if f"{base}.{n}" in modules
+                }  # from trainer2.running import checkpoint
         graph[module_name(path)] = found - {module_name(path)}
     return graph
 
@@ -68,7 +72,7 @@ def test_no_import_circles_and_no_import_against_the_layering():
 
     def visit(node: str, path: list[str]) -> None:
         if node in path:
-            raise AssertionError("import circle: " + " -> ".join(path[path.index(node):] + [node]))
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(node) :] + [node]))
         if node in done:
             return
         for nxt in sorted(graph.get(node, ())):
@@ -85,7 +89,9 @@ def test_the_parameter_table_follows_the_one_written_order():
     table = ParamTable.build(m, cfg)
     assert table.names == ("emb", "W_1", "b_1", "W_2", "b_2", "W_out", "b_out", "g_diag", "theta", "protos", "r_sc")
     assert all(t is m.named_params()[n] for n, t in zip(table.names, table.tensors))  # live tensors, not copies
-    assert table.groups[:1] == ("embed",) and set(table.groups[1:7]) == {"energy"} and set(table.groups[7:]) == {"readout"}
+    assert (
+        table.groups[:1] == ("embed",) and set(table.groups[1:7]) == {"energy"} and set(table.groups[7:]) == {"readout"}
+    )
     grads = {n: torch.zeros_like(t) for n, t in zip(table.names, table.tensors)}
     assert [g.shape for g in table.ordered(grads)] == [t.shape for t in table.tensors]
     del grads["theta"]

@@ -130,8 +130,10 @@ def _read_text_chunks(path: str) -> Iterator[str]:
                 try:
                     text = decoder.decode(raw, final=not raw)
                 except UnicodeDecodeError as e:
-                    raise DataError(f"{path}: not valid UTF-8 (bad byte at offset {offset - pending + e.start}); "
-                                    "expected a UTF-8 text file") from None
+                    raise DataError(
+                        f"{path}: not valid UTF-8 (bad byte at offset {offset - pending + e.start}); "
+                        "expected a UTF-8 text file"
+                    ) from None
                 offset += len(raw)
                 if text:
                     yield text
@@ -153,7 +155,9 @@ def token_dtype(vocab_size: int) -> torch.dtype:
     return torch.int16 if vocab_size <= 2**15 else torch.int32
 
 
-def _text_dataset(chunks: Callable[[], Iterator[str]], source: str, context_len: int, heldout_fraction: float) -> Dataset:
+def _text_dataset(
+    chunks: Callable[[], Iterator[str]], source: str, context_len: int, heldout_fraction: float
+) -> Dataset:
     """Character-level data set: first (1 - heldout_fraction) of the characters train, the rest held-out.
 
     `chunks` gives the text in pieces and is called twice: once for the vocabulary and length, once to
@@ -238,8 +242,10 @@ def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
     try:
         archive = np.load(path, allow_pickle=False, mmap_mode="r")  # mmap: a big .npy is refused without reading it
         if not isinstance(archive, np.lib.npyio.NpzFile):  # e.g. a single .npy array renamed .npz
-            raise DataError(f"{path}: not an .npz archive but a single array (an .npy file renamed?); "
-                            "expected arrays 'x' and 'y' saved with numpy.savez")
+            raise DataError(
+                f"{path}: not an .npz archive but a single array (an .npy file renamed?); "
+                "expected arrays 'x' and 'y' saved with numpy.savez"
+            )
         with archive:
             for key in ("x", "y"):
                 if key not in archive.files:
@@ -330,8 +336,10 @@ class Sampler:
         if missing:
             raise DataError(f"sampler state is missing {sorted(missing)}")
         if int(state["num_examples"]) != self.num_examples:
-            raise DataError(f"sampler state is for {int(state['num_examples'])} examples, "
-                            f"expected {self.num_examples} (the data set changed?)")
+            raise DataError(
+                f"sampler state is for {int(state['num_examples'])} examples, "
+                f"expected {self.num_examples} (the data set changed?)"
+            )
         pos = int(state["pos"])
         if not 0 <= pos <= self.num_examples:
             raise DataError(f"sampler state has position {pos}, expected 0..{self.num_examples}")

@@ -16,7 +16,9 @@ PANELS = (
     ("lior_spd.png", "relaxation observables (free phase)", "value", True, ("lior_mean", "spd_mean", "spd_last")),
     ("speed.png", "throughput", "windows / s", False, ("windows_per_second",)),
 )
-MISSING_MATPLOTLIB = "plot needs matplotlib, which is not installed: pip install 'trainer2[plot]' (or pip install matplotlib)"
+MISSING_MATPLOTLIB = (
+    "plot needs matplotlib, which is not installed: pip install 'trainer2[plot]' (or pip install matplotlib)"
+)
 
 
 class PlotError(RuntimeError):
@@ -69,12 +71,17 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
 
 
 def cmd_plot(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="trainer2 plot", allow_abbrev=False, description="PNG curves of a run from its telemetry.jsonl.")
+    p = argparse.ArgumentParser(
+        prog="trainer2 plot", allow_abbrev=False, description="PNG curves of a run from its telemetry.jsonl."
+    )
     p.add_argument("run_dir", type=Path, help="Run directory, e.g. checkpoints/dev (holds telemetry.jsonl).")
     p.add_argument("--out", type=Path, default=None, help="Where to write the PNGs (default: RUN_DIR/plots).")
     args = p.parse_args(argv)
     if not args.run_dir.is_dir():
-        print(f"trainer2 plot: error: {args.run_dir}: not a directory; expected a run directory holding {TELEMETRY_FILE}", file=sys.stderr)
+        print(
+            f"trainer2 plot: error: {args.run_dir}: not a directory; expected a run directory holding {TELEMETRY_FILE}",
+            file=sys.stderr,
+        )
         return 2
     try:
         paths = plot_run(args.run_dir, args.out)

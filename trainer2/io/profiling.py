@@ -13,7 +13,13 @@ from pathlib import Path
 
 import torch
 
-PHASES = ("data", "free", "nudged", "update", "logging")  # "step" replaces free/nudged/update when the step is one replay
+PHASES = (
+    "data",
+    "free",
+    "nudged",
+    "update",
+    "logging",
+)  # "step" replaces free/nudged/update when the step is one replay
 TOP_OPS_ROWS = 30
 
 
@@ -144,8 +150,13 @@ class WindowProfiler:
         avg = self.prof.key_averages()
         parts = []
         if self.cuda:
-            parts.append("top operators by self device time\n" + avg.table(sort_by="self_device_time_total", row_limit=TOP_OPS_ROWS))
-        parts.append("top operators by self CPU time\n" + avg.table(sort_by="self_cpu_time_total", row_limit=TOP_OPS_ROWS))
+            parts.append(
+                "top operators by self device time\n"
+                + avg.table(sort_by="self_device_time_total", row_limit=TOP_OPS_ROWS)
+            )
+        parts.append(
+            "top operators by self CPU time\n" + avg.table(sort_by="self_cpu_time_total", row_limit=TOP_OPS_ROWS)
+        )
         table.write_text("\n\n".join(parts) + "\n")
         self.prof, self.done = None, True
         return [trace, table]

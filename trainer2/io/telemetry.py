@@ -17,9 +17,9 @@ import torch
 from tqdm import tqdm
 
 from trainer2.config import TrainConfig, to_yaml
-from trainer2.physics.relaxation import Relaxation
 from trainer2.io.profiling import PhaseTimer, WindowProfiler, timing_table
 from trainer2.io.tensorboard import TensorBoardLog
+from trainer2.physics.relaxation import Relaxation
 
 TELEMETRY_FILE = "telemetry.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -53,7 +53,7 @@ class Telemetry:
         view = memoryview(data)
         try:
             while view:  # a raw write may be short in principle; the loop finishes the line
-                view = view[self.file.write(view):]
+                view = view[self.file.write(view) :]
             os.fsync(self.file.fileno())
         except OSError as e:  # disk full, quota: name the file, which a raw write's error does not
             raise OSError(e.errno, e.strerror, str(self.path)) from None
@@ -90,7 +90,8 @@ def trim(path: Path, resume_window: int | None) -> int:
 
 
 def read_telemetry(path: Path) -> list[dict[str, Any]]:
-    """Every row of a telemetry.jsonl; an unterminated last line (a torn write) is skipped, any other bad line refused."""
+    """Every row of a telemetry.jsonl; an unterminated last line (a torn write) is skipped, any other bad line
+    refused."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -103,7 +104,9 @@ def read_telemetry(path: Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise TelemetryError(f"{path}: line {i} is not valid JSON ({e.msg}); expected one JSON object per line") from None
+            raise TelemetryError(
+                f"{path}: line {i} is not valid JSON ({e.msg}); expected one JSON object per line"
+            ) from None
         if not isinstance(row, dict):
             raise TelemetryError(f"{path}: line {i} is a {type(row).__name__}, expected a JSON object")
         rows.append(row)
@@ -137,8 +140,12 @@ class CacheCleaner:
         """A cleaner for the CUDA caching allocator, or None on CPU (nothing to clean)."""
         if device.type != "cuda":
             return None
-        return CacheCleaner(cfg.cleanup_every, cfg.cleanup_threshold,
-                            lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)), torch.cuda.empty_cache)
+        return CacheCleaner(
+            cfg.cleanup_every,
+            cfg.cleanup_threshold,
+            lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)),
+            torch.cuda.empty_cache,
+        )
 
     def after_window(self, windows_done: int) -> bool:
         if windows_done % self.every or not should_cleanup(*self.stats(), self.threshold):
@@ -157,7 +164,9 @@ class StepReporter:
     last: float = field(default_factory=time.monotonic)
 
     def __call__(self, phase: str, step: int, steps: int, spd_last: float, lior: float) -> None:
-        self.bar.set_description_str(f"{self.desc} [{phase} {step}/{steps} spd {spd_last:.2g} lior {lior:.3g}]", refresh=False)
+        self.bar.set_description_str(
+            f"{self.desc} [{phase} {step}/{steps} spd {spd_last:.2g} lior {lior:.3g}]", refresh=False
+        )
         now = time.monotonic()
         if now - self.last >= self.bar.mininterval:
             self.bar.refresh()
@@ -170,9 +179,23 @@ class Monitor:
     The trainer calls: start, before_window, phase(name), record(row) at each log interval, after_window, close.
     writes=False (ranks other than 0 under torchrun): no telemetry file, config file, timing table or trace."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, run_dir: Path, eager: bool, log: Callable[[str], None] = print,
-                 writes: bool = True) -> None:
-        self.cfg, self.device, self.run_dir, self.eager, self.log, self.writes = cfg, device, run_dir, eager, log, writes
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        device: torch.device,
+        run_dir: Path,
+        eager: bool,
+        log: Callable[[str], None] = print,
+        writes: bool = True,
+    ) -> None:
+        self.cfg, self.device, self.run_dir, self.eager, self.log, self.writes = (
+            cfg,
+            device,
+            run_dir,
+            eager,
+            log,
+            writes,
+        )
         self.timer = PhaseTimer(device, cfg.timing_debug)
         self.profiler = WindowProfiler(run_dir, 0, 0, device, self.timer)  # armed by start()
         self.cleaner = CacheCleaner.for_device(cfg, device)
@@ -190,12 +213,17 @@ class Monitor:
             if self.eager:
                 relax.progress_every, relax.on_steps = self.cfg.step_progress_every, StepReporter(bar, desc)
             else:
-                self.log("note: step_progress_every: graph-compiled windows run whole, so progress is reported at window boundaries only")
+                self.log(
+                    "note: step_progress_every: graph-compiled windows run whole, "
+                    "so progress is reported at window boundaries only"
+                )
 
     def start(self, window: int) -> None:
         """Write config.yaml and open telemetry.jsonl for appending; `window` is where the run starts (a resume
         first cuts the rows past it, see `trim`)."""
-        self.board = TensorBoardLog(self.run_dir, window) if self.cfg.tensorboard and self.writes else None  # first: a missing package writes nothing
+        self.board = (
+            TensorBoardLog(self.run_dir, window) if self.cfg.tensorboard and self.writes else None
+        )  # first: a missing package writes nothing
         self.telemetry = Telemetry(self.run_dir, self.cfg, window if window > 0 else None) if self.writes else None
         self.last_window = window
         skip = self.cfg.warmup_steps + 2  # past warm-up (and graph capture), so the trace shows steady windows
@@ -206,7 +234,8 @@ class Monitor:
         return self.timer.phase(name)
 
     def step_phase(self) -> AbstractContextManager[None]:
-        """Around the whole batch step: the "step" phase when it is one replay, else nothing (the learner's phases time it)."""
+        """Around the whole batch step: the "step" phase when it is one replay, else nothing (the learner's phases
+        time it)."""
         return nullcontext() if self.eager else self.timer.phase("step")
 
     def before_window(self, window: int) -> None:
@@ -238,8 +267,10 @@ class Monitor:
         for path in self.profiler.finish():
             tqdm.write(f"profile: wrote {path}")
         if not self.profiler.done:
-            self.log(f"note: profile_windows: the run ended before window {self.profiler.start + 1}, where the "
-                     "profiler starts (after warm-up); no trace was written")
+            self.log(
+                f"note: profile_windows: the run ended before window {self.profiler.start + 1}, where the "
+                "profiler starts (after warm-up); no trace was written"
+            )
         if self.telemetry is not None:
             self.telemetry.close()
             self.telemetry = None

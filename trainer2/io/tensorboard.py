@@ -9,18 +9,33 @@ from typing import Any
 from trainer2.config import ConfigError, TrainConfig
 
 TB_DIR = "tb"
-MISSING_TENSORBOARD = ("tensorboard: --tensorboard needs the tensorboard package, which is not installed: "
-                       "pip install 'trainer2[tensorboard]' (or pip install tensorboard), or drop --tensorboard")
+MISSING_TENSORBOARD = (
+    "tensorboard: --tensorboard needs the tensorboard package, which is not installed: "
+    "pip install 'trainer2[tensorboard]' (or pip install tensorboard), or drop --tensorboard"
+)
 
 # Telemetry key -> TensorBoard tag; the part before '/' is the section TensorBoard groups the curves in.
 TAGS = {
-    "epoch": "progress/epoch", "examples": "progress/examples", "wall_seconds": "progress/wall_seconds",
-    "R_mean": "lior/R_mean", "spd_mean": "lior/spd_mean", "spd_last": "lior/spd_last",
-    "lr": "update/lr", "dropped": "update/dropped", "dropped_total": "update/dropped_total",
-    "windows_per_second": "speed/windows_per_second", "cache_cleanups": "memory/cache_cleanups",
+    "epoch": "progress/epoch",
+    "examples": "progress/examples",
+    "wall_seconds": "progress/wall_seconds",
+    "R_mean": "lior/R_mean",
+    "spd_mean": "lior/spd_mean",
+    "spd_last": "lior/spd_last",
+    "lr": "update/lr",
+    "dropped": "update/dropped",
+    "dropped_total": "update/dropped_total",
+    "windows_per_second": "speed/windows_per_second",
+    "cache_cleanups": "memory/cache_cleanups",
 }
-PREFIXES = (("train_", "train/"), ("heldout_", "heldout/"), ("lior_", "lior/"), ("update_norm_", "update/norm_"),
-            ("mem_", "memory/"), ("time_", "time/"))
+PREFIXES = (
+    ("train_", "train/"),
+    ("heldout_", "heldout/"),
+    ("lior_", "lior/"),
+    ("update_norm_", "update/norm_"),
+    ("mem_", "memory/"),
+    ("time_", "time/"),
+)
 
 
 def tag(key: str) -> str:

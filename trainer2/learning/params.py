@@ -41,7 +41,9 @@ class ParamTable:
         flat, sizes = machine.flat, [t.numel() for t in named.values()]
 
         def per_element(values: tuple[float, ...]) -> Tensor:
-            return torch.cat([torch.full((k,), v, dtype=flat.dtype) for k, v in zip(sizes, values, strict=True)]).to(flat.device)
+            return torch.cat([torch.full((k,), v, dtype=flat.dtype) for k, v in zip(sizes, values, strict=True)]).to(
+                flat.device
+            )
 
         spans, at = {}, 0
         for g, k in zip(groups, sizes, strict=True):
@@ -50,7 +52,13 @@ class ParamTable:
             spans[g] = slice(spans[g].start if g in spans else at, at + k)
             at += k
         return ParamTable(
-            names=tuple(named), tensors=tuple(named.values()), groups=groups, flat=flat, mult=per_element(mults) if any(v != 1.0 for v in mults) else None, decay_flat=per_element(decay) if any(decay) else None, spans=spans,
+            names=tuple(named),
+            tensors=tuple(named.values()),
+            groups=groups,
+            flat=flat,
+            mult=per_element(mults) if any(v != 1.0 for v in mults) else None,
+            decay_flat=per_element(decay) if any(decay) else None,
+            spans=spans,
         )
 
     def ordered(self, grads: dict[str, Tensor]) -> list[Tensor]:

@@ -15,11 +15,11 @@ from torch import Tensor
 
 from trainer2.config import TrainConfig
 from trainer2.learning.gradients import GradientSource, ep_gradients
+from trainer2.learning.params import ParamTable
+from trainer2.learning.update import Updater
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
-from trainer2.learning.params import ParamTable
 from trainer2.physics.relaxation import Relaxation
-from trainer2.learning.update import Updater
 
 
 class Collectives(Protocol):
@@ -75,9 +75,15 @@ class BatchStep:
                 self.memory.write(self.relax.s0.s[-1], targets)
 
 
-def build_step(machine: Machine, cfg: TrainConfig, batch: int, memory: MemoryBank | None = None,
-               gradients: GradientSource = ep_gradients, table: ParamTable | None = None,
-               dist: Collectives | None = None) -> BatchStep:
+def build_step(
+    machine: Machine,
+    cfg: TrainConfig,
+    batch: int,
+    memory: MemoryBank | None = None,
+    gradients: GradientSource = ep_gradients,
+    table: ParamTable | None = None,
+    dist: Collectives | None = None,
+) -> BatchStep:
     """A batch step for `batch` examples over `machine`; EP gradients unless another source is given; under
     torchrun (`dist.launched`) the gradients are averaged over the ranks before the update."""
     table = ParamTable.build(machine, cfg) if table is None else table

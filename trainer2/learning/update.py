@@ -14,8 +14,8 @@ from torch import Tensor
 
 from trainer2.config import TrainConfig
 from trainer2.learning.gradients import StepResult
-from trainer2.physics.machine import Machine, project_constraints
 from trainer2.learning.params import GROUPS, ParamTable
+from trainer2.physics.machine import Machine, project_constraints
 
 
 @dataclass
@@ -38,8 +38,11 @@ class UpdateState:
 
         ones = [torch.ones(h, dtype=flat.dtype, device=flat.device) for h in power_sizes]
         return UpdateState(
-            bufs=torch.zeros_like(flat), sq=torch.zeros_like(flat) if cfg.update_rule == "adam" else flat.new_zeros(0),
-            count=scalar(0.0), lr=scalar(cfg.eta_update), dropped=scalar(0.0),
+            bufs=torch.zeros_like(flat),
+            sq=torch.zeros_like(flat) if cfg.update_rule == "adam" else flat.new_zeros(0),
+            count=scalar(0.0),
+            lr=scalar(cfg.eta_update),
+            dropped=scalar(0.0),
             power_vecs=[torch.nn.functional.normalize(u, dim=0) for u in ones],
         )
 
@@ -53,7 +56,15 @@ class UpdateState:
         return out
 
 
-def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor | None, decay: Tensor | None, cfg: TrainConfig, step: Tensor) -> Tensor:
+def flat_update(
+    param: Tensor,
+    grad: Tensor,
+    st: UpdateState,
+    mult: Tensor | None,
+    decay: Tensor | None,
+    cfg: TrainConfig,
+    step: Tensor,
+) -> Tensor:
     """One step of every parameter at once, over flat (P,) buffers: heavy-ball (buf = momentum * buf + grad,
     p -= lr * mult * buf) or Adam (momentum as beta1, bias-corrected); grad includes decay * p; mult None is 1.
 
@@ -90,8 +101,20 @@ def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor | Non
 
 # Sums over a log interval; `MetricSums.read` turns them into the logged means.
 METRICS = (
-    "windows", "examples", "loss_sum", "correct_sum", "lior_mean", "spd_mean", "spd_last", "lior_nudge", "R_mean",
-    "dropped", "update_norm_energy", "update_norm_readout", "update_norm_embed", "nonfinite_params",
+    "windows",
+    "examples",
+    "loss_sum",
+    "correct_sum",
+    "lior_mean",
+    "spd_mean",
+    "spd_last",
+    "lior_nudge",
+    "R_mean",
+    "dropped",
+    "update_norm_energy",
+    "update_norm_readout",
+    "update_norm_embed",
+    "nonfinite_params",
 )
 
 
@@ -112,7 +135,7 @@ class MetricSums:
         """(sums by name, values of the 0-dim `extra` tensors) in one device-to-host transfer; then reset."""
         flat = torch.cat([self.values, *(t.reshape(1).to(self.values.dtype) for t in extra)]).tolist()
         self.values.zero_()
-        return dict(zip(METRICS, flat[:len(METRICS)], strict=True)), flat[len(METRICS):]
+        return dict(zip(METRICS, flat[: len(METRICS)], strict=True)), flat[len(METRICS) :]
 
 
 class Updater:
@@ -137,16 +160,27 @@ class Updater:
         ok = flat_update(t.flat, self.grad, self.state, t.mult, t.decay_flat, self.cfg, self.step)
         project_constraints(self.m, self.cfg, self.state.power_vecs)
         st = out.stats
-        self.metrics.add({
-            "windows": self.count(1), "examples": self.count(targets.shape[0]), "loss_sum": out.loss.sum(),
-            "correct_sum": (out.probs.argmax(1) == targets).sum(dtype=t.flat.dtype),
-            "lior_mean": st.lior_mean, "spd_mean": st.spd_mean, "spd_last": st.spd_last, "lior_nudge": st.lior_nudge,
-            "R_mean": st.R_mean, "dropped": 1.0 - ok,
-            **{f"update_norm_{g}": self.step_parts[g].norm() if g in self.step_parts else self.count(0) for g in GROUPS},
-            # 1 when a parameter is not finite after this update: NaN and inf carry through the sum (so does a sum
-            # past the float range, ~1e38: such a parameter has blown up anyway), and sum * 0 is NaN exactly then
-            "nonfinite_params": t.flat.sum().mul_(0.0).nan_to_num_(nan=1.0),
-        })
+        self.metrics.add(
+            {
+                "windows": self.count(1),
+                "examples": self.count(targets.shape[0]),
+                "loss_sum": out.loss.sum(),
+                "correct_sum": (out.probs.argmax(1) == targets).sum(dtype=t.flat.dtype),
+                "lior_mean": st.lior_mean,
+                "spd_mean": st.spd_mean,
+                "spd_last": st.spd_last,
+                "lior_nudge": st.lior_nudge,
+                "R_mean": st.R_mean,
+                "dropped": 1.0 - ok,
+                **{
+                    f"update_norm_{g}": self.step_parts[g].norm() if g in self.step_parts else self.count(0)
+                    for g in GROUPS
+                },
+                # 1 when a parameter is not finite after this update: NaN and inf carry through the sum (so does a sum
+                # past the float range, ~1e38: such a parameter has blown up anyway), and sum * 0 is NaN exactly then
+                "nonfinite_params": t.flat.sum().mul_(0.0).nan_to_num_(nan=1.0),
+            }
+        )
 
     def count(self, value: int) -> Tensor:
         """A 0-dim constant on the device, made on first use (before any graph capture) and then reused; made inside the

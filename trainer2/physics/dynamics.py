@@ -47,7 +47,8 @@ class Integrator:
 
 @dataclass
 class State:
-    """Positions s = (h_1..h_M, q) and momenta p, each (R, H_i); momenta are empty for the fixed point, which has none."""
+    """Positions s = (h_1..h_M, q) and momenta p, each (R, H_i); momenta are empty for the fixed point, which has
+    none."""
 
     s: list[Tensor]
     p: list[Tensor]
@@ -78,7 +79,8 @@ class FoldedFrame:
     then added to the first n columns (dq), -w @ caug to the first n + 1 ([dq | sum w]), and [y | 1] @ yc2 gives
     |y - yc_k|^2 + eps less |y|^2."""
 
-    mq_nudge: Tensor  # (n, 3n + 2) q -> [dq | 0 | y | 0 | qA]: [-I, 0, L^T, 0, A] (h_M only reaches dq: W h_M is added on its own)
+    # mq_nudge: h_M only reaches dq (W h_M is added on its own)
+    mq_nudge: Tensor  # (n, 3n + 2) q -> [dq | 0 | y | 0 | qA]: [-I, 0, L^T, 0, A]
     b_nudge: Tensor  # (3n + 2,) [b | 0 | 0 | 1 | 0]
     lt: Tensor  # (n, n + 1) [L^T | 0]
     c: Tensor  # (n + 1,) [0 .. 0, sqrt(eps)]: |v L^T, sqrt(eps)| = spd of the velocity v
@@ -121,10 +123,14 @@ def fold_frame(e: Energy, f: ReadoutFrame, blocks: FoldBlocks) -> FoldedFrame:
     a = l_t @ l_t.T  # A = L^T L
     yc = f.zc * sg  # (K, n) candidates in the Euclidean coordinates
     return FoldedFrame(
-        mq_nudge=torch.cat([blocks.neg_eye, lt, a], dim=1), b_nudge=torch.cat([e.output.bias, blocks.b_tail]), lt=lt, c=blocks.c,
+        mq_nudge=torch.cat([blocks.neg_eye, lt, a], dim=1),
+        b_nudge=torch.cat([e.output.bias, blocks.b_tail]),
+        lt=lt,
+        c=blocks.c,
         yc2=torch.cat([yc.T * -2.0, f.cc[None]]),  # f.cc = g(c_k, c_k) + eps = |yc_k|^2 + eps
         caug=torch.cat([f.gzc_t.T @ f.rot, blocks.minus_one], dim=1),  # C = yc L^T = (g * zc) R
-        bias=f.bias, neg_scale=f.neg_scale,
+        bias=f.bias,
+        neg_scale=f.neg_scale,
     )
 
 
@@ -173,7 +179,9 @@ class Workspace:
     readout: ReadoutScratch
 
     @staticmethod
-    def allocate(rows: int, sizes: list[int], num_candidates: int, steps: int, betas: list[float], like: Tensor, fixed: bool) -> "Workspace":
+    def allocate(
+        rows: int, sizes: list[int], num_candidates: int, steps: int, betas: list[float], like: Tensor, fixed: bool
+    ) -> "Workspace":
         """sizes = [H_1, ..., H_M, n]; betas: one nudging strength per block of rows (e.g. [0], [b] or [b, -b]);
         fixed: for the fixed-point window (no momenta, no forces) rather than the leapfrog."""
         n, k = sizes[-1], num_candidates
@@ -182,21 +190,48 @@ class Workspace:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
         out, ny = new(rows, 3 * n + 2), new(rows, 1)
-        y = out[:, n + 1:2 * n + 1]
+        y = out[:, n + 1 : 2 * n + 1]
         q_hist, vel, zv_hist = new(steps + 1, rows, n), new(steps, rows, n), new(steps, rows, n + 1)
         spd_hist = new(steps, rows)
         per = rows // len(betas)
         beta_sign = torch.cat([torch.full((per, 1), b, dtype=like.dtype, device=like.device) for b in betas])
         return Workspace(
-            state=State.zeros(rows, sizes, like, momenta=not fixed), drive=new(rows, sizes[0]), target_mask=new(rows, k),
+            state=State.zeros(rows, sizes, like, momenta=not fixed),
+            drive=new(rows, sizes[0]),
+            target_mask=new(rows, k),
             label_hit=torch.zeros(rows, k, dtype=torch.bool, device=like.device),
-            beta_sign=beta_sign, beta_col=new(rows, 1), mask_beta=new(rows, k), neg_beta=new(rows, 1), spd_hist=spd_hist, spd_rows=list(spd_hist.unbind(0)),
-            q_hist=q_hist, q_rows=list(q_hist.unbind(0)), vel=vel, vel_flat=vel.view(-1, n), zv_hist=zv_hist,
-            zv_flat=zv_hist.view(-1, n + 1), out=out, dq=out[:, :n], dqs=out[:, :n + 1], wsum=out[:, n:n + 1],
-            y=y, y1=out[:, n + 1:2 * n + 2], qa=out[:, 2 * n + 2:], temp=[new(rows, h) for h in sizes[:-2]] if fixed else [],
-            zv=new(rows, n + 1), ny=ny, y_rows=y.unsqueeze(1), y_cols=y.unsqueeze(2), ny_batch=ny.view(rows, 1, 1), rspd=new(rows, k), logit=new(rows, k), pi=new(rows, k), w=new(rows, k),
+            beta_sign=beta_sign,
+            beta_col=new(rows, 1),
+            mask_beta=new(rows, k),
+            neg_beta=new(rows, 1),
+            spd_hist=spd_hist,
+            spd_rows=list(spd_hist.unbind(0)),
+            q_hist=q_hist,
+            q_rows=list(q_hist.unbind(0)),
+            vel=vel,
+            vel_flat=vel.view(-1, n),
+            zv_hist=zv_hist,
+            zv_flat=zv_hist.view(-1, n + 1),
+            out=out,
+            dq=out[:, :n],
+            dqs=out[:, : n + 1],
+            wsum=out[:, n : n + 1],
+            y=y,
+            y1=out[:, n + 1 : 2 * n + 2],
+            qa=out[:, 2 * n + 2 :],
+            temp=[new(rows, h) for h in sizes[:-2]] if fixed else [],
+            zv=new(rows, n + 1),
+            ny=ny,
+            y_rows=y.unsqueeze(1),
+            y_cols=y.unsqueeze(2),
+            ny_batch=ny.view(rows, 1, 1),
+            rspd=new(rows, k),
+            logit=new(rows, k),
+            pi=new(rows, k),
+            w=new(rows, k),
             py=new(rows, 1),
-            force=[] if fixed else [new(rows, h) for h in sizes], gnudge=new(rows, n),
+            force=[] if fixed else [new(rows, h) for h in sizes],
+            gnudge=new(rows, n),
             readout=ReadoutScratch.allocate(rows, n, k, like),
         )
 
@@ -255,15 +290,15 @@ def fixed_point_steps(run: PhaseRun) -> None:
         if ws.temp:
             torch._foreach_clamp_min_(ws.temp, 0.0)
             torch._foreach_clamp_max_(ws.temp, 1.0)
-            torch._foreach_copy_(s[:last - 1], ws.temp)
+            torch._foreach_copy_(s[: last - 1], ws.temp)
         if run.nudged:
             readout_nudge(ws, fold, run.one_hot)
             torch.add(q, ws.dq, out=q_new)
     s[last].copy_(ws.q_rows[start + steps])
     # spd_t = |v_t L^T, sqrt(eps)| for the velocities v_t = q_{t+1} - q_t of these steps, all at once
     end, rows = start + steps, ws.vel.shape[1]
-    torch.sub(ws.q_hist[start + 1:end + 1], ws.q_hist[start:end], out=ws.vel[start:end])
-    torch.addmm(fold.c, ws.vel_flat[start * rows:end * rows], fold.lt, out=ws.zv_flat[start * rows:end * rows])
+    torch.sub(ws.q_hist[start + 1 : end + 1], ws.q_hist[start:end], out=ws.vel[start:end])
+    torch.addmm(fold.c, ws.vel_flat[start * rows : end * rows], fold.lt, out=ws.zv_flat[start * rows : end * rows])
     torch.linalg.vector_norm(ws.zv_hist[start:end], dim=2, out=ws.spd_hist[start:end])
 
 

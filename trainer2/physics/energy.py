@@ -70,13 +70,19 @@ def layer_shapes(layers: list[dict[str, Any]]) -> list[tuple[str, tuple[int, ...
     """(kind, shape) of every hidden layer of a config's `layers` list ([{dense: 256}, ...])."""
     out = []
     for entry in layers:
-        (kind, spec), = entry.items()
+        ((kind, spec),) = entry.items()
         out.append((kind, KINDS[kind].spec_size(spec)))
     return out
 
 
-def init_energy(input_shape: tuple[int, ...], layers: list[dict[str, Any]], n: int, out_scale: float,
-                gen: torch.Generator, dtype: torch.dtype) -> Energy:
+def init_energy(
+    input_shape: tuple[int, ...],
+    layers: list[dict[str, Any]],
+    n: int,
+    out_scale: float,
+    gen: torch.Generator,
+    dtype: torch.dtype,
+) -> Energy:
     """The chain input -> hidden layers -> q, each coupling initialised by its kind from `gen` in chain order; the
     coupling into q is dense and shrunk by out_scale, so the energy starts convex."""
     hidden = layer_shapes(layers)
@@ -116,8 +122,9 @@ def forces(s: list[Tensor], drive: Tensor, e: Energy, out: list[Tensor]) -> None
         out[i].sub_(si)
 
 
-def ep_grads(s_plus: list[Tensor], s_minus: list[Tensor], x: Tensor, e: Energy,
-             scale: float) -> tuple[dict[str, Tensor], Tensor]:
+def ep_grads(
+    s_plus: list[Tensor], s_minus: list[Tensor], x: Tensor, e: Energy, scale: float
+) -> tuple[dict[str, Tensor], Tensor]:
     """The EP statistic (dE/dtheta(s+) - dE/dtheta(s-)) * scale of every coupling parameter, by name, and the
     per-example gradient with respect to the clamped input x (B, D); summed over the batch (callers fold
     1/(divisor B) into scale)."""

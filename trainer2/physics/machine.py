@@ -76,8 +76,14 @@ def build_machine(cfg: TrainConfig, num_classes: int, input_dim: int, text: bool
     return m
 
 
-def assemble(emb: Tensor | None, energy: Energy, readout: ReadoutParams, layout: RotorLayout, num_classes: int,
-             device: torch.device) -> Machine:
+def assemble(
+    emb: Tensor | None,
+    energy: Energy,
+    readout: ReadoutParams,
+    layout: RotorLayout,
+    num_classes: int,
+    device: torch.device,
+) -> Machine:
     """A machine on `device` holding copies of the given tensors as views of one flat buffer (named_params order)."""
     loose = Machine(emb, energy, readout, layout, num_classes, torch.empty(0))
     named = loose.named_params()
@@ -99,7 +105,7 @@ def split_flat(buf: Tensor, shapes: dict[str, torch.Size]) -> dict[str, Tensor]:
     views, at = {}, 0
     for name, shape in shapes.items():
         size = math.prod(shape)
-        views[name] = buf[at:at + size].view(shape)
+        views[name] = buf[at : at + size].view(shape)
         at += size
     return views
 

@@ -57,4 +57,9 @@ class MemoryBank:
 
     def tensors(self) -> dict[str, Tensor]:
         """The bank's state for a checkpoint, by key; `offsets` is derived from the batch size and not saved."""
-        return {"memory.coords": self.coords, "memory.labels": self.labels, "memory.filled": self.filled, "memory.ptr": self.ptr}
+        return {
+            "memory.coords": self.coords,
+            "memory.labels": self.labels,
+            "memory.filled": self.filled,
+            "memory.ptr": self.ptr,
+        }

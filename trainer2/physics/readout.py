@@ -34,7 +34,13 @@ class RotorLayout:
         return len(self.a)
 
     def to(self, device: torch.device) -> "RotorLayout":
-        return RotorLayout([t.to(device) for t in self.a], [t.to(device) for t in self.b], self.index.to(device), self.eye.to(device), self.n)
+        return RotorLayout(
+            [t.to(device) for t in self.a],
+            [t.to(device) for t in self.b],
+            self.index.to(device),
+            self.eye.to(device),
+            self.n,
+        )
 
 
 def rotor_layout(n: int, k: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> RotorLayout:
@@ -51,19 +57,29 @@ def rotor_layout(n: int, k: int, device: torch.device | str = "cpu", dtype: torc
     while used < k:
         layers.append(rounds[len(layers) % len(rounds)][: k - used])
         used += len(layers[-1])
-    planes = [(l, a, b) for l, pairs in enumerate(layers) for a, b in pairs]
-    index = torch.tensor([[(l * n + a) * n + a for l, a, b in planes], [(l * n + b) * n + b for l, a, b in planes],
-                          [(l * n + a) * n + b for l, a, b in planes], [(l * n + b) * n + a for l, a, b in planes]],
-                         dtype=torch.long, device=device).reshape(4, k)
+    planes = [(layer, a, b) for layer, pairs in enumerate(layers) for a, b in pairs]
+    index = torch.tensor(
+        [
+            [(layer * n + a) * n + a for layer, a, b in planes],
+            [(layer * n + b) * n + b for layer, a, b in planes],
+            [(layer * n + a) * n + b for layer, a, b in planes],
+            [(layer * n + b) * n + a for layer, a, b in planes],
+        ],
+        dtype=torch.long,
+        device=device,
+    ).reshape(4, k)
     return RotorLayout(
         [torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device) for pairs in layers],
         [torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device) for pairs in layers],
-        index, torch.eye(n, dtype=dtype, device=device).repeat(len(layers), 1, 1).reshape(-1), n,
+        index,
+        torch.eye(n, dtype=dtype, device=device).repeat(len(layers), 1, 1).reshape(-1),
+        n,
     )
 
 
 def rotor_layers(theta: Tensor, layout: RotorLayout) -> Tensor:
-    """The Givens layers G (L, n, n), R = G_{L-1} ... G_0: in plane (a, b), G[a, a] = G[b, b] = cos, G[b, a] = -G[a, b] = sin."""
+    """The Givens layers G (L, n, n), R = G_{L-1} ... G_0: in plane (a, b), G[a, a] = G[b, b] = cos,
+    G[b, a] = -G[a, b] = sin."""
     c, s = torch.cos(theta), torch.sin(theta)
     vals = torch.cat([c, c, -s, s])  # the entries (a, a), (b, b), (a, b), (b, a) of every plane, as in layout.index
     eye = layout.eye.to(theta.dtype)
@@ -71,7 +87,8 @@ def rotor_layers(theta: Tensor, layout: RotorLayout) -> Tensor:
 
 
 def rotor_suffixes(layers: Tensor) -> Tensor:
-    """S (L + 1, n, n), S_l = G_{L-1} ... G_l: the rotor from layer l on, from the layers (L, n, n); S_0 = R, S_L = I."""
+    """S (L + 1, n, n), S_l = G_{L-1} ... G_l: the rotor from layer l on, from the layers (L, n, n);
+    S_0 = R, S_L = I."""
     out = [torch.eye(layers.shape[1], dtype=layers.dtype, device=layers.device)]
     for g in layers.flip(0):
         out.append(out[-1] @ g)
@@ -155,7 +172,9 @@ class ReadoutScratch:
         def new(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
-        return ReadoutScratch(new(batch, n), new(batch, n), new(batch, k), new(batch, k), new(batch, k), new(batch, 1), new(batch, 1))
+        return ReadoutScratch(
+            new(batch, n), new(batch, n), new(batch, k), new(batch, k), new(batch, k), new(batch, 1), new(batch, 1)
+        )
 
 
 def readout_weights(q: Tensor, f: ReadoutFrame, target_mask: Tensor, sc: ReadoutScratch, one_hot: bool = False) -> None:
@@ -202,8 +221,15 @@ def target_mask(labels: Tensor, targets: Tensor, dtype: torch.dtype) -> Tensor:
     return indicator(targets, labels, dtype)
 
 
-def readout_scores(q: Tensor, f: ReadoutFrame, cand: Candidates, target_mask: Tensor, num_classes: int, sc: ReadoutScratch,
-                   one_hot: bool = False) -> tuple[Tensor, Tensor]:
+def readout_scores(
+    q: Tensor,
+    f: ReadoutFrame,
+    cand: Candidates,
+    target_mask: Tensor,
+    num_classes: int,
+    sc: ReadoutScratch,
+    one_hot: bool = False,
+) -> tuple[Tensor, Tensor]:
     """Per-example loss (B,) in nats and class probabilities (B, V) at q (B, n), filling the scratch sc. one_hot: the
     candidates are the V prototypes in label order, so the probabilities are the softmax weights themselves."""
     readout_weights(q, f, target_mask, sc, one_hot)
@@ -223,8 +249,16 @@ class ReadoutResult:
     grads: ReadoutParams
 
 
-def readout_loss_and_grads(q: Tensor, f: ReadoutFrame, cand: Candidates, target_mask: Tensor, num_classes: int,
-                           layout: RotorLayout, sc: ReadoutScratch, one_hot: bool = False) -> ReadoutResult:
+def readout_loss_and_grads(
+    q: Tensor,
+    f: ReadoutFrame,
+    cand: Candidates,
+    target_mask: Tensor,
+    num_classes: int,
+    layout: RotorLayout,
+    sc: ReadoutScratch,
+    one_hot: bool = False,
+) -> ReadoutResult:
     """Exact loss and analytic gradients of the batch-mean loss w.r.t. every readout parameter at q (B, n), using
     (and overwriting) the scratch sc. target_mask (B, K) is 1 where candidate k carries the example's label;
     one_hot as in `readout_scores`.

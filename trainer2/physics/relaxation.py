@@ -14,12 +14,29 @@ import torch
 from torch import Tensor
 
 from trainer2.config import TrainConfig
+from trainer2.physics.dynamics import (
+    FoldBlocks,
+    FoldedFrame,
+    Integrator,
+    PhaseRun,
+    State,
+    Workspace,
+    fold_frame,
+    phase_function,
+    set_nudge_scale,
+)
 from trainer2.physics.energy import input_drive
-from trainer2.physics.readout import Candidates, ReadoutFrame, ReadoutResult, readout_frame, readout_loss_and_grads, readout_scores
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.nudge import NudgeScheme
-from trainer2.physics.dynamics import FoldBlocks, FoldedFrame, Integrator, PhaseRun, State, Workspace, fold_frame, phase_function, set_nudge_scale
+from trainer2.physics.readout import (
+    Candidates,
+    ReadoutFrame,
+    ReadoutResult,
+    readout_frame,
+    readout_loss_and_grads,
+    readout_scores,
+)
 
 
 @dataclass
@@ -60,7 +77,9 @@ class Relaxation:
         self.nudge = NudgeScheme(cfg.beta_nudge, cfg.symmetric_nudge)
         fixed = self.integ.fixed_point
         self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed)
-        self.ws_nudged = Workspace.allocate(self.nudge.phases * batch, sizes, num_cand, cfg.nudge_steps, self.nudge.betas, like, fixed)
+        self.ws_nudged = Workspace.allocate(
+            self.nudge.phases * batch, sizes, num_cand, cfg.nudge_steps, self.nudge.betas, like, fixed
+        )
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
         self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, cfg.eps, like)
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
@@ -99,8 +118,12 @@ class Relaxation:
     def free_stats(self) -> dict[str, Tensor]:
         """The free window's observables (call right after free_phase): batch means, 0-dim."""
         spd_mean = self.ws.spd_hist.mean()  # (T, B): spd_hist holds exactly this window's steps
-        return {"lior_mean": self.lior(spd_mean, self.cfg.free_steps), "spd_mean": spd_mean,
-                "spd_last": self.ws.spd_rows[-1].mean(), "R_mean": self.m.readout.r_sc.clone()}
+        return {
+            "lior_mean": self.lior(spd_mean, self.cfg.free_steps),
+            "spd_mean": spd_mean,
+            "spd_last": self.ws.spd_rows[-1].mean(),
+            "R_mean": self.m.readout.r_sc.clone(),
+        }
 
     def nudged_phases(self, free: FreeState) -> None:
         """Relax T_nudge steps from s0 on E + beta * loss, every nudged phase at once (stacked rows)."""
@@ -122,7 +145,9 @@ class Relaxation:
 
     def run(self, ws: Workspace, free: FreeState, start: int, steps: int, nudged: bool) -> None:
         """Relaxation steps start .. start + steps - 1 of a phase over workspace ws."""
-        self.steps_fn(PhaseRun(ws, self.m.energy, free.frame, free.fold, self.integ, start, steps, nudged, self.one_hot))
+        self.steps_fn(
+            PhaseRun(ws, self.m.energy, free.frame, free.fold, self.integ, start, steps, nudged, self.one_hot)
+        )
 
     def relax(self, ws: Workspace, free: FreeState, steps: int, nudged: bool, name: str) -> None:
         """A phase of `steps` steps; with on_steps set, in chunks of progress_every steps, each followed by one
@@ -134,18 +159,29 @@ class Relaxation:
         for done in range(0, steps, every):
             n = min(every, steps - done)
             self.run(ws, free, done, n, nudged)
-            spd_last, lior = torch.stack([ws.spd_hist[done + n - 1].mean(), self.lior(ws.spd_hist[:done + n].mean(), done + n)]).tolist()
+            spd_last, lior = torch.stack(
+                [ws.spd_hist[done + n - 1].mean(), self.lior(ws.spd_hist[: done + n].mean(), done + n)]
+            ).tolist()
             self.on_steps(name, done + n, steps, spd_last, lior)
 
     def readout_scores(self, free: FreeState) -> tuple[Tensor, Tensor]:
         """Per-example loss (B,) in nats and class probabilities (B, V) at s0, without any gradient."""
-        return readout_scores(self.s0.s[-1], free.frame, free.cand, self.ws.target_mask, self.m.num_classes, self.ws.readout,
-                              self.one_hot)
+        return readout_scores(
+            self.s0.s[-1], free.frame, free.cand, self.ws.target_mask, self.m.num_classes, self.ws.readout, self.one_hot
+        )
 
     def readout_grads(self, free: FreeState) -> ReadoutResult:
         """Loss, probabilities and the readout's exact gradients (batch means) at s0."""
-        return readout_loss_and_grads(self.s0.s[-1], free.frame, free.cand, self.ws.target_mask, self.m.num_classes, self.m.layout, self.ws.readout,
-                                      self.one_hot)
+        return readout_loss_and_grads(
+            self.s0.s[-1],
+            free.frame,
+            free.cand,
+            self.ws.target_mask,
+            self.m.num_classes,
+            self.m.layout,
+            self.ws.readout,
+            self.one_hot,
+        )
 
     @torch.no_grad()
     def score(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:

@@ -36,16 +36,39 @@ STEP_RE = re.compile(r"step_(\d{8,})")
 
 # Fields that only steer the run; they may change on resume. Every other field defines the model,
 # the data or the learning rule and must match the checkpoint (a new field is fixed until listed here).
-RESUME_FREE_FIELDS = frozenset({
-    "run_name", "device", "cpu_threads", "checkpoint_dir",
-    "static_shapes", "capture_batch_size", "use_cudagraphs", "warmup_steps", "use_torch_compile",
-    "cudnn_benchmark", "cudnn_deterministic", "allow_tf32",
-    "max_windows", "max_epochs", "log_every_windows", "eval_every_windows", "eval_batches",
-    "save_every_windows", "keep_last", "step_progress_every", "timing_debug",
-    "compile_mode", "profile_windows", "cleanup_every", "cleanup_threshold", "tensorboard", "dist_timeout_seconds",
-    # per process: the global batch (batch_size x world size) is what must match, checked by Trainer.load_checkpoint
-    "batch_size",
-})
+RESUME_FREE_FIELDS = frozenset(
+    {
+        "run_name",
+        "device",
+        "cpu_threads",
+        "checkpoint_dir",
+        "static_shapes",
+        "capture_batch_size",
+        "use_cudagraphs",
+        "warmup_steps",
+        "use_torch_compile",
+        "cudnn_benchmark",
+        "cudnn_deterministic",
+        "allow_tf32",
+        "max_windows",
+        "max_epochs",
+        "log_every_windows",
+        "eval_every_windows",
+        "eval_batches",
+        "save_every_windows",
+        "keep_last",
+        "step_progress_every",
+        "timing_debug",
+        "compile_mode",
+        "profile_windows",
+        "cleanup_every",
+        "cleanup_threshold",
+        "tensorboard",
+        "dist_timeout_seconds",
+        # per process: the global batch (batch_size x world size) is what must match, checked by Trainer.load_checkpoint
+        "batch_size",
+    }
+)
 
 
 class CheckpointError(ValueError):
@@ -80,8 +103,10 @@ def find_latest(run_dir: Path) -> Path:
     """The newest complete checkpoint of a run; a run with none is an error, never a silent fresh start."""
     found = list_checkpoints(run_dir)
     if not found:
-        raise CheckpointError(f"no checkpoint to resume in {run_dir}: expected a directory step_<N>/ there "
-                              "(check --run_name and --checkpoint_dir, or drop --resume to start afresh)")
+        raise CheckpointError(
+            f"no checkpoint to resume in {run_dir}: expected a directory step_<N>/ there "
+            "(check --run_name and --checkpoint_dir, or drop --resume to start afresh)"
+        )
     return found[-1]
 
 
@@ -123,10 +148,20 @@ def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, A
     tmp.mkdir()
     try:
         # safetensors wants contiguous CPU tensors that share no storage.
-        save_file({k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()}, str(tmp / TENSORS_FILE))
+        save_file(
+            {k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()}, str(tmp / TENSORS_FILE)
+        )
         _fsync(tmp / TENSORS_FILE)
-        meta = {**meta, "format_version": FORMAT_VERSION, "step": step,
-                "tensors": {"file": TENSORS_FILE, "bytes": (tmp / TENSORS_FILE).stat().st_size, "sha256": _sha256(tmp / TENSORS_FILE)}}
+        meta = {
+            **meta,
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "tensors": {
+                "file": TENSORS_FILE,
+                "bytes": (tmp / TENSORS_FILE).stat().st_size,
+                "sha256": _sha256(tmp / TENSORS_FILE),
+            },
+        }
         with open(tmp / META_FILE, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
             f.flush()
@@ -161,7 +196,9 @@ def read_meta(path: Path) -> dict[str, Any]:
     """The validated sidecar of a checkpoint directory."""
     file = path / META_FILE
     if not file.is_file():
-        raise CheckpointError(f"checkpoint {path}: missing {META_FILE} (the sidecar); the save did not finish or the file was removed")
+        raise CheckpointError(
+            f"checkpoint {path}: missing {META_FILE} (the sidecar); the save did not finish or the file was removed"
+        )
     try:
         meta = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -170,7 +207,9 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file}: expected a JSON object, got {type(meta).__name__}")
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
-        raise CheckpointError(f"{file}: checkpoint format version {version!r}; this trainer reads version {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{file}: checkpoint format version {version!r}; this trainer reads version {FORMAT_VERSION}"
+        )
     kinds = {"step": int, "config": dict, "counters": dict, "data": dict, "history": list, "tensors": dict}
     missing = [k for k in kinds if k not in meta]
     if missing:
@@ -182,8 +221,10 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file}: 'tensors' must record the tensor file's 'bytes' and 'sha256'")
     named = STEP_RE.fullmatch(path.name)
     if named and int(named.group(1)) != meta["step"]:
-        raise CheckpointError(f"{file}: records step {meta['step']}, but its directory is named {path.name}; "
-                              "was it renamed or copied over?")
+        raise CheckpointError(
+            f"{file}: records step {meta['step']}, but its directory is named {path.name}; "
+            "was it renamed or copied over?"
+        )
     return meta
 
 
@@ -194,7 +235,9 @@ def load_tensors(path: Path, meta: dict[str, Any]) -> dict[str, Tensor]:
         raise CheckpointError(f"checkpoint {path}: missing {TENSORS_FILE}; the checkpoint is partial")
     size = file.stat().st_size
     if size != want["bytes"]:
-        raise CheckpointError(f"{file}: {size} bytes, the sidecar records {want['bytes']}; the file is truncated or was replaced")
+        raise CheckpointError(
+            f"{file}: {size} bytes, the sidecar records {want['bytes']}; the file is truncated or was replaced"
+        )
     if _sha256(file) != want["sha256"]:
         raise CheckpointError(f"{file}: sha256 differs from the one in {META_FILE}; the file is corrupt")
     try:
@@ -210,11 +253,15 @@ def check_config(saved: dict[str, Any], cfg: TrainConfig, source: Path) -> None:
         saved = upgrade_legacy(saved)  # a checkpoint written before a field's rename names it the old way
     except ValueError as e:
         raise CheckpointError(f"checkpoint {source}: its config cannot be read: {e}") from None
-    bad = [f"{k}: checkpoint has {saved.get(k)!r}, requested {now[k]!r}" for k in fixed_fields() if saved.get(k) != now[k]]
+    bad = [
+        f"{k}: checkpoint has {saved.get(k)!r}, requested {now[k]!r}" for k in fixed_fields() if saved.get(k) != now[k]
+    ]
     if bad:
-        raise CheckpointError(f"checkpoint {source} does not match the requested config (these fields define the model, "
-                              "data or learning rule and cannot change on resume; start a new --run_name to change them):\n  "
-                              + "\n  ".join(bad))
+        raise CheckpointError(
+            f"checkpoint {source} does not match the requested config (these fields define the model, "
+            "data or learning rule and cannot change on resume; start a new --run_name to change them):\n  "
+            + "\n  ".join(bad)
+        )
 
 
 # --- trainer state ---
@@ -226,8 +273,14 @@ def data_fingerprint(data: Dataset) -> dict[str, Any]:
     for t in (data.train, data.heldout, data.train_y, data.heldout_y):
         if t is not None:
             h.update(t.contiguous().numpy())  # the buffer itself: no copy of a 100 MB corpus
-    return {"source": data.source, "kind": data.kind, "vocab": data.vocab, "num_train": data.num_examples("train"),
-            "num_heldout": data.num_examples("heldout"), "sha256": h.hexdigest()}
+    return {
+        "source": data.source,
+        "kind": data.kind,
+        "vocab": data.vocab,
+        "num_train": data.num_examples("train"),
+        "num_heldout": data.num_examples("heldout"),
+        "sha256": h.hexdigest(),
+    }
 
 
 def versions() -> dict[str, str]:
@@ -238,10 +291,13 @@ def versions() -> dict[str, str]:
     import pydantic
     import safetensors
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "safetensors": safetensors.__version__,
-            "numpy": numpy.__version__, "pydantic": pydantic.__version__}
-
-
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": numpy.__version__,
+        "pydantic": pydantic.__version__,
+    }
 
 
 def check_data(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
@@ -249,12 +305,17 @@ def check_data(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
     for key in ("kind", "vocab", "num_train", "num_heldout", "sha256"):
         if saved.get(key) != now[key]:
             what = "vocabulary" if key == "vocab" else key
-            raise CheckpointError(f"checkpoint {path}: the data differs from the checkpoint's ({what}: checkpoint "
-                                  f"{saved.get(key)!r}, now {now[key]!r}; source {now['source']})")
+            raise CheckpointError(
+                f"checkpoint {path}: the data differs from the checkpoint's ({what}: checkpoint "
+                f"{saved.get(key)!r}, now {now[key]!r}; source {now['source']})"
+            )
 
 
-def check_tensors(loaded: dict[str, Tensor], like: dict[str, Tensor], file: Path, optional: frozenset[str] = frozenset()) -> None:
-    """Refuse a tensor file whose names, shapes or dtypes differ from `like` (names in `optional` may be absent or extra)."""
+def check_tensors(
+    loaded: dict[str, Tensor], like: dict[str, Tensor], file: Path, optional: frozenset[str] = frozenset()
+) -> None:
+    """Refuse a tensor file whose names, shapes or dtypes differ from `like` (names in `optional` may be absent or
+    extra)."""
     missing = sorted(set(like) - set(loaded) - optional)
     extra = sorted(set(loaded) - set(like) - optional)
     if missing or extra:
@@ -264,11 +325,19 @@ def check_tensors(loaded: dict[str, Tensor], like: dict[str, Tensor], file: Path
             continue
         src = loaded[k]
         if src.shape != dst.shape or src.dtype != dst.dtype:
-            raise CheckpointError(f"{file}: tensor {k!r} is {src.dtype} {tuple(src.shape)}, expected {dst.dtype} {tuple(dst.shape)}")
+            raise CheckpointError(
+                f"{file}: tensor {k!r} is {src.dtype} {tuple(src.shape)}, expected {dst.dtype} {tuple(dst.shape)}"
+            )
 
 
-def load_checked(path: Path, cfg: TrainConfig, data: Dataset, live: dict[str, Tensor], only: tuple[str, ...] | None = None,
-                 optional: frozenset[str] = frozenset()) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def load_checked(
+    path: Path,
+    cfg: TrainConfig,
+    data: Dataset,
+    live: dict[str, Tensor],
+    only: tuple[str, ...] | None = None,
+    optional: frozenset[str] = frozenset(),
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """(tensors, meta) of checkpoint directory `path`, checked against this run before anything is copied: its
     config (the fields that define the model), the data fingerprint, every tensor's name, shape and dtype against
     `live` (only the keys with the given prefixes, when `only` is set), and its counters. The one place a

@@ -50,13 +50,17 @@ class Distributed:
         if not given:
             return Distributed()
         if len(given) < len(ENV):
-            raise ConfigError(f"environment: {', '.join(given)} set but not {', '.join(k for k in ENV if k not in env)}; "
-                              "start multi-process runs with torchrun, which sets all three")
+            raise ConfigError(
+                f"environment: {', '.join(given)} set but not {', '.join(k for k in ENV if k not in env)}; "
+                "start multi-process runs with torchrun, which sets all three"
+            )
         try:
             rank, world, local = (int(env[k]) for k in ENV)
         except ValueError:
-            raise ConfigError(f"environment: RANK, WORLD_SIZE and LOCAL_RANK must be integers, got "
-                              f"{env['RANK']!r}, {env['WORLD_SIZE']!r}, {env['LOCAL_RANK']!r}") from None
+            raise ConfigError(
+                f"environment: RANK, WORLD_SIZE and LOCAL_RANK must be integers, got "
+                f"{env['RANK']!r}, {env['WORLD_SIZE']!r}, {env['LOCAL_RANK']!r}"
+            ) from None
         if not (world >= 1 and 0 <= rank < world and local >= 0):
             raise ConfigError(f"environment: RANK {rank} / WORLD_SIZE {world} / LOCAL_RANK {local} are inconsistent")
         return Distributed(rank, world, local, True, timeout_s)
@@ -67,17 +71,21 @@ class Distributed:
         if not self.launched or dev.type != "cuda" or (dev.index is not None and self.world_size == 1):
             return dev
         if dev.index is not None:
-            raise ConfigError(f"device: {name!r} names one GPU, but under torchrun each process uses its own "
-                              f"(cuda:LOCAL_RANK); pass --device cuda or auto")
+            raise ConfigError(
+                f"device: {name!r} names one GPU, but under torchrun each process uses its own "
+                f"(cuda:LOCAL_RANK); pass --device cuda or auto"
+            )
         return torch.device("cuda", self.local_rank)
 
     # --- collectives (no-ops for one process without a group) ---
 
     def _failed(self, what: str, e: BaseException) -> DistributedError:
         text = " ".join(str(e).split())[:400]
-        return DistributedError(f"rank {self.rank}: {what} failed ({type(e).__name__}: {text}); another process died, "
-                                f"hung past the {self.timeout_s:g} s timeout (--dist_timeout_seconds) or was stopped, "
-                                "and torchrun's report names it")
+        return DistributedError(
+            f"rank {self.rank}: {what} failed ({type(e).__name__}: {text}); another process died, "
+            f"hung past the {self.timeout_s:g} s timeout (--dist_timeout_seconds) or was stopped, "
+            "and torchrun's report names it"
+        )
 
     def all_reduce_sum(self, t: Tensor, what: str) -> None:
         """Sum `t` over the ranks in place."""
@@ -115,9 +123,11 @@ class Distributed:
         same = torch.isclose(checks, checks[0], rtol=0.0, atol=0.0, equal_nan=True)  # bitwise, NaN equal to NaN
         bad, checks = [r for r, ok in enumerate(same.tolist()) if not ok], checks.tolist()
         if bad:
-            raise DistributedError(f"rank {self.rank}: parameters differ between ranks: rank(s) {bad} disagree with rank 0 "
-                                   f"(checksums {[checks[r] for r in bad]} vs {checks[0]}); the run stops rather than "
-                                   "train diverged copies")
+            raise DistributedError(
+                f"rank {self.rank}: parameters differ between ranks: rank(s) {bad} disagree with rank 0 "
+                f"(checksums {[checks[r] for r in bad]} vs {checks[0]}); the run stops rather than "
+                "train diverged copies"
+            )
 
     def close(self) -> None:
         """Leave the process group (at the end of a run, or after an error)."""
@@ -140,8 +150,12 @@ def init_distributed(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> 
     device = d.place(resolve_device(cfg), cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=d.rank, world_size=d.world_size,
-                            timeout=timedelta(seconds=cfg.dist_timeout_seconds))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        rank=d.rank,
+        world_size=d.world_size,
+        timeout=timedelta(seconds=cfg.dist_timeout_seconds),
+    )
     return d
 
 

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer2.running.checkpoint import CheckpointError, load_checked, read_meta
 from trainer2.config import ConfigError, TrainConfig, build_config
 from trainer2.io.data import Dataset, heldout_batches
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
-from trainer2.running.parts import build_parts, resolve_device
 from trainer2.physics.relaxation import Relaxation
+from trainer2.running.checkpoint import CheckpointError, load_checked, read_meta
+from trainer2.running.parts import build_parts, resolve_device
 
 EVAL_BATCH = 512  # held-out examples per scoring batch
 
@@ -40,7 +40,9 @@ def relaxation_cache(machine: Machine, cfg: TrainConfig, memory: MemoryBank | No
 
 
 @torch.no_grad()
-def heldout_metrics(relaxation_for: Callable[[int], Relaxation], data: Dataset, device: torch.device, max_batches: int | None) -> dict[str, float]:
+def heldout_metrics(
+    relaxation_for: Callable[[int], Relaxation], data: Dataset, device: torch.device, max_batches: int | None
+) -> dict[str, float]:
     """Held-out loss (nats per example), accuracy and, for text, bits per character; one host sync at the end.
 
     relaxation_for(batch) gives the (cached) relaxation for a batch size."""
@@ -48,8 +50,13 @@ def heldout_metrics(relaxation_for: Callable[[int], Relaxation], data: Dataset, 
 
 
 @torch.no_grad()
-def heldout_sums(relaxation_for: Callable[[int], Relaxation], data: Dataset, device: torch.device, max_batches: int | None,
-                 shard: tuple[int, int] = (0, 1)) -> Tensor:
+def heldout_sums(
+    relaxation_for: Callable[[int], Relaxation],
+    data: Dataset,
+    device: torch.device,
+    max_batches: int | None,
+    shard: tuple[int, int] = (0, 1),
+) -> Tensor:
     """float64 (3,) on `device`: summed loss (nats), number correct, number scored, over the held-out batches
     k with k % shard[1] == shard[0] (rank, world size): adding every shard's sums gives the whole split's."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)
@@ -58,8 +65,8 @@ def heldout_sums(relaxation_for: Callable[[int], Relaxation], data: Dataset, dev
         if k % world != rank:
             continue
         inputs, targets = data.batch("heldout", idx)
-        l, c = relaxation_for(len(idx)).score(inputs.to(device), targets.to(device))
-        sums += torch.stack([l.to(sums.dtype), c.to(sums.dtype)])
+        loss, correct = relaxation_for(len(idx)).score(inputs.to(device), targets.to(device))
+        sums += torch.stack([loss.to(sums.dtype), correct.to(sums.dtype)])
         count += len(idx)
     return torch.cat([sums, sums.new_tensor([count])])
 
@@ -89,10 +96,17 @@ class TrainedMachine:
         return Relaxation(self.machine, self.cfg, batch, self.memory)
 
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
-        return heldout_metrics(relaxation_cache(self.machine, self.cfg, self.memory), self.data, self.device, max_batches if max_batches is not None else self.cfg.eval_batches)
+        return heldout_metrics(
+            relaxation_cache(self.machine, self.cfg, self.memory),
+            self.data,
+            self.device,
+            max_batches if max_batches is not None else self.cfg.eval_batches,
+        )
 
 
-def load_trained(path: str | Path, overrides: dict[str, Any] | None = None, log: Callable[[str], None] | None = None) -> TrainedMachine:
+def load_trained(
+    path: str | Path, overrides: dict[str, Any] | None = None, log: Callable[[str], None] | None = None
+) -> TrainedMachine:
     """The parameters and memory bank of checkpoint directory `path` (no update state); `overrides` may set
     run-steering fields such as device or eval_batches. Everything is checked before a tensor is copied."""
     log = log or (lambda msg: print(msg, file=sys.stderr))

@@ -38,8 +38,11 @@ class Health:
         if row["nonfinite_params"]:
             return nonfinite(since, w), w  # every saved checkpoint was checked finite
         if self.dropped_from is not None and w - self.dropped_from + 1 >= DROPPED_STREAK:
-            return (f"every update from window {self.dropped_from} to {w} was dropped (non-finite gradients: learning "
-                    "has stopped)", self.dropped_from - 1)
+            return (
+                f"every update from window {self.dropped_from} to {w} was dropped (non-finite gradients: learning "
+                "has stopped)",
+                self.dropped_from - 1,
+            )
         return None
 
     def warn_unsettled(self, row: dict[str, Any]) -> None:
@@ -49,9 +52,11 @@ class Health:
         if self.warned or not math.isfinite(spd) or spd <= UNSETTLED_FACTOR * floor:
             return  # a non-finite spd comes with a divergence, reported as one
         self.warned = True
-        self.log(f"warning: the free phase does not settle: spd_last {spd:.3g} at window {row['window']}, "
-                 f"{spd / floor:.3g}x its settled floor sqrt(eps) = {floor:.3g}. Give it more steps (free_steps), "
-                 "a smaller dt, more damping (gamma) or a lower spectral_cap")
+        self.log(
+            f"warning: the free phase does not settle: spd_last {spd:.3g} at window {row['window']}, "
+            f"{spd / floor:.3g}x its settled floor sqrt(eps) = {floor:.3g}. Give it more steps (free_steps), "
+            "a smaller dt, more damping (gamma) or a lower spectral_cap"
+        )
 
 
 def nonfinite(since: int, window: int) -> str:
@@ -62,5 +67,7 @@ def divergence_message(what: str, good_until: int, run_dir: Path) -> str:
     """What happened, the newest checkpoint up to window `good_until`, and what to change."""
     saved = [p for p in ck.list_checkpoints(run_dir) if ck.step_of(p) <= good_until]
     good = f"the last checkpoint before it is {saved[-1]}" if saved else "no checkpoint was saved before it"
-    return (f"the run diverged: {what}; {good}. Lower eta_update (or eta_readout_scale, eta_embed_scale, "
-            "weight_decay) or add lr_warmup_windows, and start a new run")
+    return (
+        f"the run diverged: {what}; {good}. Lower eta_update (or eta_readout_scale, eta_embed_scale, "
+        "weight_decay) or add lr_warmup_windows, and start a new run"
+    )

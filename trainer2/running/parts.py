@@ -39,12 +39,17 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device(name)
 
 
-def build_parts(cfg: TrainConfig, device: torch.device, data: Dataset | None = None, batch: int | None = None) -> RunParts:
+def build_parts(
+    cfg: TrainConfig, device: torch.device, data: Dataset | None = None, batch: int | None = None
+) -> RunParts:
     """Load the data (unless given) and build a fresh machine on `device` and its memory bank for `batch` rows per
     write (cfg.batch_size unless given); the same config and seed always give the same parts."""
     data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction) if data is None else data
     machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device)
     rows = cfg.batch_size if batch is None else batch
-    memory = (MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, rows, machine.readout.protos)
-              if cfg.memory_capacity else None)
+    memory = (
+        MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, rows, machine.readout.protos)
+        if cfg.memory_capacity
+        else None
+    )
     return RunParts(data, device, machine, memory)

@@ -13,8 +13,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trainer2.running.checkpoint import META_FILE, CheckpointError, check_config, list_checkpoints, read_meta, resolve_checkpoint, step_of
 from trainer2.config import ConfigError, TrainConfig, build_config
+from trainer2.running.checkpoint import (
+    META_FILE,
+    CheckpointError,
+    check_config,
+    list_checkpoints,
+    read_meta,
+    resolve_checkpoint,
+    step_of,
+)
 from trainer2.running.rundir import RunDirError, fresh_name, newest_run, run_files
 
 Layers = list[tuple[str, dict[str, Any]]]
@@ -43,9 +51,11 @@ def fresh_run_guard(run_dir: Path) -> None:
     found = run_files(run_dir)
     if found:
         what = "checkpoints" if any(f.startswith("step_") for f in found) else "files"
-        raise RunDirError(f"run {run_dir.name!r} already has {what} ({', '.join(found[-4:])} in {run_dir}): pass --resume latest "
-                          f"--run_name {run_dir.name} to continue it, pick a new --run_name (or none: a fresh name is chosen), "
-                          f"or delete {run_dir}")
+        raise RunDirError(
+            f"run {run_dir.name!r} already has {what} ({', '.join(found[-4:])} in {run_dir}): pass --resume latest "
+            f"--run_name {run_dir.name} to continue it, pick a new --run_name (or none: a fresh name is chosen), "
+            f"or delete {run_dir}"
+        )
 
 
 def resume_target(spec: str, layers: Layers) -> Path:
@@ -57,8 +67,10 @@ def resume_target(spec: str, layers: Layers) -> Path:
         root = Path(user.get("checkpoint_dir", default_root))
         run_dir = root / user["run_name"] if "run_name" in user else newest_run(root)
         if run_dir is None:
-            raise CheckpointError(f"no run with a checkpoint under {root} to resume: start one without --resume, "
-                                  "or name the run with --run_name and --checkpoint_dir")
+            raise CheckpointError(
+                f"no run with a checkpoint under {root} to resume: start one without --resume, "
+                "or name the run with --run_name and --checkpoint_dir"
+            )
     else:
         own = Path(spec) if Path(spec).parent.name else Path(spec).resolve()  # "step_N" inside its run: the full path
         run_dir = Path(user.get("checkpoint_dir", own.parent.parent)) / user.get("run_name", own.parent.name)
@@ -89,12 +101,16 @@ def resume_config(spec: str, layers: Layers, run_dir: Path) -> tuple[TrainConfig
     if source != run_dir.resolve():  # a branch: a new run that starts from another run's checkpoint
         found = run_files(run_dir)
         if found:
-            raise RunDirError(f"cannot resume {path} (a checkpoint of run {source.name!r}) into run {run_dir.name!r}: "
-                              f"{run_dir} already holds that run's own files ({', '.join(found[-4:])}). To branch off, pass a "
-                              f"new --run_name; to continue {run_dir.name!r}, pass --resume latest --run_name {run_dir.name}")
+            raise RunDirError(
+                f"cannot resume {path} (a checkpoint of run {source.name!r}) into run {run_dir.name!r}: "
+                f"{run_dir} already holds that run's own files ({', '.join(found[-4:])}). To branch off, pass a "
+                f"new --run_name; to continue {run_dir.name!r}, pass --resume latest --run_name {run_dir.name}"
+            )
         return cfg, path
     newer = [p for p in list_checkpoints(run_dir) if step_of(p) > meta["step"] and p.resolve() != path.resolve()]
     if newer:
-        raise CheckpointError(f"checkpoint {path} is older than {newer[-1]} of the same run; continuing here would mix "
-                              "two histories: pass --run_name NEW to branch off, or --resume latest")
+        raise CheckpointError(
+            f"checkpoint {path} is older than {newer[-1]} of the same run; continuing here would mix "
+            "two histories: pass --run_name NEW to branch off, or --resume latest"
+        )
     return cfg, path

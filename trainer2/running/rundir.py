@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainer2.running.checkpoint import META_FILE, STEP_RE, TMP_PREFIX, list_checkpoints
 from trainer2.io.telemetry import CONFIG_FILE, TELEMETRY_FILE
+from trainer2.running.checkpoint import META_FILE, STEP_RE, TMP_PREFIX, list_checkpoints
 
 try:
     import fcntl
@@ -35,7 +35,9 @@ def write_error(path: Path, e: Exception, note: str = "") -> OSError:
     """An OSError naming `path` and the cause of a failed write (the safetensors writer wraps the OS error in its
     own type, whose text holds the errno), with an optional note on what is still intact."""
     code = e.errno if isinstance(e, OSError) else None
-    if code is None and (m := re.search(r"(?:code: |os error )(\d+)", str(e))):  # "(os error 28)", "Os { code: 28, .. }"
+    if code is None and (
+        m := re.search(r"(?:code: |os error )(\d+)", str(e))
+    ):  # "(os error 28)", "Os { code: 28, .. }"
         code = int(m.group(1))
     cause = os.strerror(code) if code else str(e)
     return OSError(code or errno.EIO, cause + (f"; {note}" if note else ""), str(path))
@@ -52,7 +54,11 @@ def fresh_name(checkpoint_dir: Path, prefix: str) -> str:
     """`<prefix>-<N>` with N one more than the largest taken under checkpoint_dir (1 for the first). Under torchrun,
     a directory whose lock this job's rank 0 already holds is not taken: every rank must arrive at the same name."""
     pattern = re.compile(re.escape(prefix) + r"-(\d+)")
-    found = ((p, m) for p in (checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else ()) if (m := pattern.fullmatch(p.name)))
+    found = (
+        (p, m)
+        for p in (checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else ())
+        if (m := pattern.fullmatch(p.name))
+    )
     taken = [int(m.group(1)) for p, m in found if not ours(p)]
     return f"{prefix}-{max(taken, default=0) + 1}"
 
@@ -101,8 +107,10 @@ class RunLock:
             except BlockingIOError:
                 holder = os.read(fd, 512).decode("utf-8", "replace")
                 os.close(fd)
-                raise RunDirError(f"run directory {self.run_dir} is in use by another run ({describe_holder(holder)}); "
-                                  "wait for it to end, or pass another --run_name") from None
+                raise RunDirError(
+                    f"run directory {self.run_dir} is in use by another run ({describe_holder(holder)}); "
+                    "wait for it to end, or pass another --run_name"
+                ) from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -111,8 +119,18 @@ class RunLock:
                 os.close(fd)
                 continue
             os.ftruncate(fd, 0)
-            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                     "job": os.environ.get("TORCHELASTIC_RUN_ID")}).encode() + b"\n")
+            os.write(
+                fd,
+                json.dumps(
+                    {
+                        "pid": os.getpid(),
+                        "host": socket.gethostname(),
+                        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "job": os.environ.get("TORCHELASTIC_RUN_ID"),
+                    }
+                ).encode()
+                + b"\n",
+            )
             self.fd = fd
         return self
 
@@ -161,6 +179,8 @@ def remove_orphans(run_dir: Path, log: Callable[[str], None]) -> int:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p.name)
     if removed:
-        log(f"removed {len(removed)} temporary checkpoint director{'y' if len(removed) == 1 else 'ies'} left by killed "
-            f"saves in {run_dir} ({freed / 2**20:.1f} MiB): {', '.join(removed)}")
+        log(
+            f"removed {len(removed)} temporary checkpoint director{'y' if len(removed) == 1 else 'ies'} left by killed "
+            f"saves in {run_dir} ({freed / 2**20:.1f} MiB): {', '.join(removed)}"
+        )
     return freed

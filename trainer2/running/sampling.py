@@ -15,8 +15,8 @@ from torch import Tensor
 
 from trainer2.config import ConfigError
 from trainer2.io.data import encode
-from trainer2.running.evaluation import load_trained
 from trainer2.physics.relaxation import Relaxation
+from trainer2.running.evaluation import load_trained
 
 MAX_LENGTH = 1_000_000  # characters per call: one free phase each, so about a day of CPU at the limit
 
@@ -42,7 +42,9 @@ def generate(relax: Relaxation, vocab: list[str], prompt: str, length: int, temp
     if relax.batch != 1:
         raise ValueError(f"generate needs a Relaxation of batch size 1, got {relax.batch}")
     if not 0 <= length <= MAX_LENGTH or not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"length must be in 0..{MAX_LENGTH} and temperature finite and >= 0, got {length} and {temperature}")
+        raise ValueError(
+            f"length must be in 0..{MAX_LENGTH} and temperature finite and >= 0, got {length} and {temperature}"
+        )
     ctx_len, device = relax.cfg.context_len, relax.device
     ids = encode(prompt, vocab, "--prompt")
     ids = torch.cat([encode(pad_char(vocab) * ctx_len, vocab, "pad"), ids])[-ctx_len:].to(device)
@@ -63,14 +65,26 @@ def sample_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trainer2 sample",
         allow_abbrev=False,
-        description="Generate text from a checkpoint: one free-phase relaxation per character, in the checkpoint's own vocabulary.",
+        description="Generate text from a checkpoint: one free-phase relaxation per character, "
+        "in the checkpoint's own vocabulary.",
     )
     p.add_argument("--checkpoint", required=True, help="Checkpoint directory, e.g. checkpoints/dev/step_00025000.")
-    p.add_argument("--prompt", default="", help="Text to continue. Only its last context_len characters condition the "
-                   "model; a shorter prompt is left-padded with spaces (or the first vocabulary character when the "
-                   "vocabulary has no space). Every character must be in the checkpoint's vocabulary.")
-    p.add_argument("--length", type=int, default=200, help=f"Characters to generate, at most {MAX_LENGTH:,} (default: 200).")
-    p.add_argument("--temperature", type=float, default=1.0, help="Divides the log-probabilities; 0 = always the most likely character (default: 1.0).")
+    p.add_argument(
+        "--prompt",
+        default="",
+        help="Text to continue. Only its last context_len characters condition the "
+        "model; a shorter prompt is left-padded with spaces (or the first vocabulary character when the "
+        "vocabulary has no space). Every character must be in the checkpoint's vocabulary.",
+    )
+    p.add_argument(
+        "--length", type=int, default=200, help=f"Characters to generate, at most {MAX_LENGTH:,} (default: 200)."
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="Divides the log-probabilities; 0 = always the most likely character (default: 1.0).",
+    )
     p.add_argument("--seed", type=int, default=0, help="Seed of the sampling generator (default: 0).")
     p.add_argument("--device", default="cpu", help="Device to run on (default: cpu).")
     return p
@@ -88,6 +102,8 @@ def cmd_sample(argv: list[str]) -> int:
     trained = load_trained(args.checkpoint, {"device": args.device})
     vocab = trained.data.vocab
     if not vocab:
-        raise ConfigError(f"--checkpoint {args.checkpoint}: trained on feature data, not text; sample needs a text model")
+        raise ConfigError(
+            f"--checkpoint {args.checkpoint}: trained on feature data, not text; sample needs a text model"
+        )
     print(args.prompt + generate(trained.relaxation(1), vocab, args.prompt, args.length, args.temperature, args.seed))
     return 0

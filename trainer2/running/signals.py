@@ -21,7 +21,9 @@ class StopSignals:
     handlers come back."""
 
     def __init__(self) -> None:
-        self.received: signal.Signals | None = None  # under torchrun, another rank's may be set here (Trainer.stop_asked)
+        self.received: signal.Signals | None = (
+            None  # under torchrun, another rank's may be set here (Trainer.stop_asked)
+        )
         self.previous: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> "StopSignals":

@@ -79,7 +79,10 @@ class StaticBatch:
             return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
         cuda = device.type == "cuda"
-        pinned = [(torch.zeros_like(inputs, device="cpu").pin_memory(), torch.zeros_like(targets, device="cpu").pin_memory()) for _ in range(2 if cuda else 0)]
+        pinned = [
+            (torch.zeros_like(inputs, device="cpu").pin_memory(), torch.zeros_like(targets, device="cpu").pin_memory())
+            for _ in range(2 if cuda else 0)
+        ]
         return StaticBatch(new(inputs), new(targets), pinned, [torch.cuda.Event() for _ in pinned])
 
     def load(self, inputs: Tensor, targets: Tensor) -> None:
@@ -108,8 +111,15 @@ class StepRunner:
     replaying a CUDA graph captured after `warmup_steps` eager steps on a side stream."""
 
     def __init__(
-        self, step: BatchStep, *, graphs: bool = False, compile: bool = False, warmup_steps: int = 3,
-        compile_mode: str = "default", compile_backend: str | Callable = "inductor", log: Log = print,
+        self,
+        step: BatchStep,
+        *,
+        graphs: bool = False,
+        compile: bool = False,
+        warmup_steps: int = 3,
+        compile_mode: str = "default",
+        compile_backend: str | Callable = "inductor",
+        log: Log = print,
     ) -> None:
         self.batch_step, self.log = step, log
         self.device = step.device
@@ -136,15 +146,25 @@ class StepRunner:
 
     @staticmethod
     def from_config(step: BatchStep, cfg: TrainConfig, log: Log = print) -> "StepRunner":
-        return StepRunner(step, graphs=cfg.use_cudagraphs, compile=cfg.use_torch_compile, warmup_steps=cfg.warmup_steps,
-                          compile_mode=cfg.compile_mode, log=log)
+        return StepRunner(
+            step,
+            graphs=cfg.use_cudagraphs,
+            compile=cfg.use_torch_compile,
+            warmup_steps=cfg.warmup_steps,
+            compile_mode=cfg.compile_mode,
+            log=log,
+        )
 
     @property
     def mode(self) -> str:
         """What runs now, after any fallback: 'eager', 'compile', 'graph' or 'compile+graph'."""
         graph = self.own_graphs or self.cudagraph_trees
-        return {(False, False): "eager", (True, False): "compile", (False, True): "graph", (True, True): "compile+graph"}[
-            (self.compiled is not None, graph)]
+        return {
+            (False, False): "eager",
+            (True, False): "compile",
+            (False, True): "graph",
+            (True, True): "compile+graph",
+        }[(self.compiled is not None, graph)]
 
     def step(self, inputs: Tensor, targets: Tensor) -> None:
         """One batch step on (inputs (B, ...), targets (B,)), on the host or the device."""
@@ -211,7 +231,9 @@ class StepRunner:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 fn(self.batch.inputs, self.batch.targets)
         except Exception as e:
-            self.log(f"warning: CUDA graph capture of the batch step failed ({reason(e)}); the run goes on without graphs")
+            self.log(
+                f"warning: CUDA graph capture of the batch step failed ({reason(e)}); the run goes on without graphs"
+            )
             self.own_graphs = False
             torch.cuda.synchronize(self.device)
             return False

@@ -18,27 +18,42 @@ from safetensors import SafetensorError
 from torch import Tensor
 from tqdm import tqdm
 
-from trainer2.running import checkpoint as ck
-from trainer2.running.step_runner import StepRunner
 from trainer2.config import ConfigError, TrainConfig, to_yaml
 from trainer2.io.data import Dataset, Sampler
-from trainer2.running.distributed import Distributed
-from trainer2.running.evaluation import heldout_from_sums, heldout_sums, relaxation_cache
+from trainer2.io.telemetry import Monitor
 from trainer2.learning.gradients import GradientSource, ep_gradients
-from trainer2.running.health import Diverged, Health, divergence_message, nonfinite
-from trainer2.running.signals import STOP_SIGNALS, StopSignals
+from trainer2.learning.params import ParamTable
+from trainer2.learning.step import BatchStep, build_step
+from trainer2.learning.update import Updater
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
-from trainer2.learning.params import ParamTable
-from trainer2.running.parts import build_parts, resolve_device
 from trainer2.physics.relaxation import Relaxation
+from trainer2.running import checkpoint as ck
+from trainer2.running.distributed import Distributed
+from trainer2.running.evaluation import heldout_from_sums, heldout_sums, relaxation_cache
+from trainer2.running.health import Diverged, Health, divergence_message, nonfinite
+from trainer2.running.parts import build_parts, resolve_device
 from trainer2.running.rundir import SUMMARY_FILE, write_error
-from trainer2.learning.step import BatchStep, build_step
-from trainer2.io.telemetry import Monitor
-from trainer2.learning.update import Updater
+from trainer2.running.signals import STOP_SIGNALS, StopSignals
+from trainer2.running.step_runner import StepRunner
 
 # Parts wired once in __init__; assigning one afterwards is refused (pass gradients= to Trainer instead).
-WIRED = frozenset({"cfg", "dist", "device", "data", "machine", "memory", "params", "batch_step", "runner", "sampler", "monitor", "run_dir"})
+WIRED = frozenset(
+    {
+        "cfg",
+        "dist",
+        "device",
+        "data",
+        "machine",
+        "memory",
+        "params",
+        "batch_step",
+        "runner",
+        "sampler",
+        "monitor",
+        "run_dir",
+    }
+)
 HISTORY_ROWS = 200  # logged rows a checkpoint's meta.json keeps; telemetry.jsonl is the full record
 
 
@@ -64,12 +79,16 @@ class Progress:
 class Trainer:
     """setup (in __init__) / train / evaluate / save_summary; state_dict / load_state_dict for checkpoints."""
 
-    def __init__(self, cfg: TrainConfig, gradients: GradientSource = ep_gradients, log=print, dist: Distributed | None = None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, gradients: GradientSource = ep_gradients, log=print, dist: Distributed | None = None
+    ) -> None:
         self.cfg, self.log = cfg, log
         self.dist = Distributed() if dist is None else dist  # one process unless torchrun started this one
         if self.dist.world_size > 1 and cfg.memory_capacity:
-            raise ConfigError("memory_capacity: the memory bank is per process and would differ between ranks; "
-                              "multi-process runs need --memory_capacity 0")
+            raise ConfigError(
+                "memory_capacity: the memory bank is per process and would differ between ranks; "
+                "multi-process runs need --memory_capacity 0"
+            )
         self.device = self.dist.place(resolve_device(cfg), cfg.device)
         graphs = cfg.use_cudagraphs and self.device.type == "cuda"  # without CUDA the StepRunner warns once
         torch.manual_seed(cfg.seed)  # the global RNGs too, so anything drawing from them repeats (and is checkpointed)
@@ -81,7 +100,9 @@ class Trainer:
         self.machine: Machine = parts.machine
         self.memory: MemoryBank | None = parts.memory
         self.params = ParamTable.build(self.machine, cfg)
-        self.batch_step: BatchStep = build_step(self.machine, cfg, cfg.batch_size, self.memory, gradients, self.params, self.dist)
+        self.batch_step: BatchStep = build_step(
+            self.machine, cfg, cfg.batch_size, self.memory, gradients, self.params, self.dist
+        )
         self.runner = StepRunner.from_config(self.batch_step, cfg, log)
         self.global_batch = cfg.batch_size * self.dist.world_size  # every rank draws it; rank r trains on slice r
         self.sampler = Sampler(self.data.num_examples("train"), self.global_batch, cfg.seed)
@@ -89,7 +110,14 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self._relaxation_for = relaxation_cache(self.machine, cfg, self.memory)  # scoring only: no update state
         self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
-        self.monitor = Monitor(cfg, self.device, self.run_dir, eager=not (graphs or cfg.use_torch_compile), log=log, writes=self.dist.is_main)
+        self.monitor = Monitor(
+            cfg,
+            self.device,
+            self.run_dir,
+            eager=not (graphs or cfg.use_torch_compile),
+            log=log,
+            writes=self.dist.is_main,
+        )
         self._interval = (time.perf_counter(), 0)  # (clock, window) where the current log interval began
         self._saved_at = -1  # window of the last checkpoint this trainer saved or loaded
         self.health = Health(cfg.eps, log)
@@ -97,8 +125,10 @@ class Trainer:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in WIRED and name in self.__dict__:
-            raise AttributeError(f"Trainer.{name} is wired once at set-up and cannot be replaced; "
-                                 "pass another gradient source as Trainer(cfg, gradients=...) instead")
+            raise AttributeError(
+                f"Trainer.{name} is wired once at set-up and cannot be replaced; "
+                "pass another gradient source as Trainer(cfg, gradients=...) instead"
+            )
         super().__setattr__(name, value)
 
     @property
@@ -130,7 +160,7 @@ class Trainer:
     def next_batch(self) -> tuple[Tensor, Tensor]:
         """This rank's slice of the global batch, as host tensors; the StepRunner stages them onto the device."""
         b, r = self.cfg.batch_size, self.dist.rank
-        return self.data.batch("train", self.sampler.next()[r * b:(r + 1) * b])
+        return self.data.batch("train", self.sampler.next()[r * b : (r + 1) * b])
 
     @torch.no_grad()
     def train(self) -> dict[str, Any]:
@@ -139,10 +169,21 @@ class Trainer:
         signal); a divergence (trainer2.running.health) stops it without saving, and raises Diverged."""
         cfg, total = self.cfg, self.total_windows()
         self.log("config:\n" + to_yaml(cfg).rstrip())
-        self.log(f"data: {self.data.source} ({self.data.kind}, {self.data.num_examples('train')} train / "
-                 f"{self.data.num_examples('heldout')} held-out examples, {self.data.num_classes} classes); device: {self.device}")
+        self.log(
+            f"data: {self.data.source} ({self.data.kind}, {self.data.num_examples('train')} train / "
+            f"{self.data.num_examples('heldout')} held-out examples, {self.data.num_classes} classes); "
+            f"device: {self.device}"
+        )
         quiet = {} if self.dist.is_main else {"disable": True}  # only rank 0 shows a bar
-        bar = tqdm(total=total, initial=self.progress.window, desc=cfg.run_name, unit="win", dynamic_ncols=True, mininterval=1.0, **quiet)
+        bar = tqdm(
+            total=total,
+            initial=self.progress.window,
+            desc=cfg.run_name,
+            unit="win",
+            dynamic_ncols=True,
+            mininterval=1.0,
+            **quiet,
+        )
         if not bar.disable and not getattr(bar.fp, "isatty", lambda: False)():
             bar.mininterval = bar.maxinterval = 30.0  # in a pipe or CI: a line every 30 s, not a flood
         mon = self.monitor
@@ -171,7 +212,9 @@ class Trainer:
         self._interval = (time.perf_counter(), self.progress.window)
         lr = self.updater.state.lr
         first = self.progress.window  # a compiled or captured step spends its first window compiling
-        self.dist.check_in(self.updater.metrics.values, self.params.tensors, everywhere=False)  # same start on every rank?
+        self.dist.check_in(
+            self.updater.metrics.values, self.params.tensors, everywhere=False
+        )  # same start on every rank?
         while self.progress.window < total:
             w = self.progress.window
             mon.before_window(w)
@@ -241,13 +284,28 @@ class Trainer:
         sums, (lr, dropped_total) = self.updater.metrics.read(st.lr, st.dropped)
         wins, ex = max(sums["windows"], 1.0), max(sums["examples"], 1.0)
         loss = sums["loss_sum"] / ex
-        row: dict[str, Any] = {"window": self.progress.window, "examples": self.progress.examples,
-                               "epoch": self.progress.window / self.sampler.batches_per_epoch,
-                               "train_loss": loss, "train_acc": sums["correct_sum"] / ex, "lr": lr, "dropped_total": dropped_total}
+        row: dict[str, Any] = {
+            "window": self.progress.window,
+            "examples": self.progress.examples,
+            "epoch": self.progress.window / self.sampler.batches_per_epoch,
+            "train_loss": loss,
+            "train_acc": sums["correct_sum"] / ex,
+            "lr": lr,
+            "dropped_total": dropped_total,
+        }
         if self.text:
             row["train_bpc"] = loss / math.log(2)
-        for k in ("lior_mean", "spd_mean", "spd_last", "lior_nudge", "R_mean", "dropped",
-                  "update_norm_energy", "update_norm_readout", "update_norm_embed"):
+        for k in (
+            "lior_mean",
+            "spd_mean",
+            "spd_last",
+            "lior_nudge",
+            "R_mean",
+            "dropped",
+            "update_norm_energy",
+            "update_norm_readout",
+            "update_norm_embed",
+        ):
             row[k] = sums[k] / wins
         row["nonfinite_params"] = sums["nonfinite_params"]  # windows of the interval that left a parameter non-finite
         row["lior_diff"] = row["lior_nudge"] - row["lior_mean"]  # the nudge's extra path length
@@ -304,10 +362,16 @@ class Trainer:
         p = self.progress
         meta = {
             "config": self.cfg.model_dump(mode="json"),
-            "counters": {"window": p.window, "examples": p.examples, "epoch": p.window / self.sampler.batches_per_epoch,
-                         "sampler_epoch": self.sampler.epoch, "sampler_pos": int(self.sampler.state_dict()["pos"]),
-                         "global_batch": self.global_batch, "world_size": self.dist.world_size,
-                         "wall_seconds": p.wall_seconds},
+            "counters": {
+                "window": p.window,
+                "examples": p.examples,
+                "epoch": p.window / self.sampler.batches_per_epoch,
+                "sampler_epoch": self.sampler.epoch,
+                "sampler_pos": int(self.sampler.state_dict()["pos"]),
+                "global_batch": self.global_batch,
+                "world_size": self.dist.world_size,
+                "wall_seconds": p.wall_seconds,
+            },
             "data": ck.data_fingerprint(self.data),
             "history": self.history[-HISTORY_ROWS:],
             "versions": ck.versions(),
@@ -319,19 +383,25 @@ class Trainer:
         """Copy a checkpoint's state into the live tensors in place and restore sampler, RNG, counters and history."""
         for k, dst in self.state_tensors().items():
             dst.copy_(tensors[k])
-        self.sampler.load_state_dict({k.removeprefix("sampler."): v for k, v in tensors.items() if k.startswith("sampler.")})
+        self.sampler.load_state_dict(
+            {k.removeprefix("sampler."): v for k, v in tensors.items() if k.startswith("sampler.")}
+        )
         torch.set_rng_state(tensors["rng.cpu"])
         if self.device.type == "cuda" and "rng.cuda" in tensors:
             torch.cuda.set_rng_state(tensors["rng.cuda"], self.device)
         c = meta["counters"]
-        self.progress.window, self.progress.examples, self.progress.wall_seconds = int(c["window"]), int(c["examples"]), float(c["wall_seconds"])
+        self.progress.window, self.progress.examples, self.progress.wall_seconds = (
+            int(c["window"]),
+            int(c["examples"]),
+            float(c["wall_seconds"]),
+        )
         self.history = list(meta["history"])
 
     # --- outputs ---
 
     def save_checkpoint(self) -> Path:
-        """Write <run_dir>/step_<window>/ atomically (trainer2.running.checkpoint) and prune to keep_last; under torchrun
-        every rank calls it (the metric sums are gathered into rank 0's) and rank 0 writes."""
+        """Write <run_dir>/step_<window>/ atomically (trainer2.running.checkpoint) and prune to keep_last; under
+        torchrun every rank calls it (the metric sums are gathered into rank 0's) and rank 0 writes."""
         self.dist.check_in(self.updater.metrics.values, self.params.tensors, everywhere=False)
         path = self.run_dir / ck.step_name(self.progress.window)
         if self.dist.is_main:
@@ -346,19 +416,25 @@ class Trainer:
         return path
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore the run from checkpoint directory `path` in place; everything is checked before anything is copied."""
+        """Restore the run from checkpoint directory `path` in place; everything is checked before anything is
+        copied."""
         path = Path(path)
-        loaded, meta = ck.load_checked(path, self.cfg, self.data, self.checkpoint_tensors(), optional=frozenset({"rng.cuda"}))
+        loaded, meta = ck.load_checked(
+            path, self.cfg, self.data, self.checkpoint_tensors(), optional=frozenset({"rng.cuda"})
+        )
         self.check_global_batch(meta, path)
         saved_torch = meta.get("versions", {}).get("torch")
         if saved_torch != torch.__version__:
-            self.log(f"warning: checkpoint {path} was written with torch {saved_torch}, this is {torch.__version__}; "
-                     "the resumed run may not be bitwise identical")
+            self.log(
+                f"warning: checkpoint {path} was written with torch {saved_torch}, this is {torch.__version__}; "
+                "the resumed run may not be bitwise identical"
+            )
         self.load_state_dict(loaded, meta)
         if not self.dist.is_main:
             self.updater.metrics.values.zero_()  # the saved sums are every rank's: rank 0 alone carries them on
         self._saved_at = self.progress.window
-        self.runner.invalidate()  # recapture after load (the copies are in place, but a fresh capture is the safe default)
+        # recapture after load (the copies are in place, but a fresh capture is the safe default)
+        self.runner.invalidate()
         self.log(f"resumed from {path} at window {self.progress.window}")
 
     def check_global_batch(self, meta: dict[str, Any], path: Path) -> None:
@@ -367,10 +443,16 @@ class Trainer:
         world = meta["counters"].get("world_size", 1)
         if saved != self.global_batch:
             raise ck.CheckpointError(
-                f"checkpoint {path} was trained at a global batch of {saved} (batch_size {meta['config'].get('batch_size')} x "
+                f"checkpoint {path} was trained at a global batch of {saved} "
+                f"(batch_size {meta['config'].get('batch_size')} x "
                 f"{world} process(es)); this run's is {self.global_batch} (batch_size {self.cfg.batch_size} x "
-                f"{self.dist.world_size}); " + (f"pass --batch_size {saved // self.dist.world_size}" if saved % self.dist.world_size == 0
-                                                 else f"use a number of processes that divides {saved}"))
+                f"{self.dist.world_size}); "
+                + (
+                    f"pass --batch_size {saved // self.dist.world_size}"
+                    if saved % self.dist.world_size == 0
+                    else f"use a number of processes that divides {saved}"
+                )
+            )
 
     def save_summary(self, interrupted: str | None = None, diverged: str | None = None) -> dict[str, Any]:
         """Write <run_dir>/summary.json (strict JSON: a non-finite number is null) and return it. Held-out figures
@@ -381,11 +463,17 @@ class Trainer:
         wall = self.progress.wall_seconds
         summary = {
             **({k: last[k] for k in ("heldout_bpc", "heldout_acc", "heldout_loss") if k in last} if last else {}),
-            **({"heldout_window": last["window"]} if last else {}), "data_kind": self.data.kind,
-            "windows": self.progress.window, "examples_seen": self.progress.examples, "wall_seconds": wall,
+            **({"heldout_window": last["window"]} if last else {}),
+            "data_kind": self.data.kind,
+            "windows": self.progress.window,
+            "examples_seen": self.progress.examples,
+            "wall_seconds": wall,
             "windows_per_second": self.progress.window / wall if wall > 0 else 0.0,
-            "dropped_updates": float(self.updater.state.dropped), "device": str(self.device),
-            "interrupted": interrupted, "diverged": diverged is not None, **({"error": diverged} if diverged else {}),
+            "dropped_updates": float(self.updater.state.dropped),
+            "device": str(self.device),
+            "interrupted": interrupted,
+            "diverged": diverged is not None,
+            **({"error": diverged} if diverged else {}),
         }
         summary = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
         if self.dist.is_main:

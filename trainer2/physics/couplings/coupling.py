@@ -53,7 +53,9 @@ class Coupling(Protocol):
         """The EP statistic scale * (dE_c/dtheta(s+) - dE_c/dtheta(s-)), summed over rows, per parameter name; plus and
         minus are (below, above) of the two nudged equilibria."""
 
-    def ep_grads_clamped(self, x: Tensor, plus: Tensor, minus: Tensor, scale: float) -> tuple[dict[str, Tensor], Tensor]:
+    def ep_grads_clamped(
+        self, x: Tensor, plus: Tensor, minus: Tensor, scale: float
+    ) -> tuple[dict[str, Tensor], Tensor]:
         """As ep_grads for a coupling whose layer below is the clamped input x (the same in both phases), and the
         per-example gradient with respect to x (R, below)."""
 
@@ -67,4 +69,3 @@ class Coupling(Protocol):
     def cap_power(self, cap: Tensor | float, u: Tensor) -> None:
         """Scale the coupling so its operator norm, estimated by two power-iteration steps from u, is at most cap;
         u is updated in place. On the device, no host sync."""
-

@@ -35,8 +35,14 @@ class Dense:
         return (spec,)
 
     @staticmethod
-    def init(name: str, below: tuple[int, ...], above: tuple[int, ...], scale: float, gen: torch.Generator,
-             dtype: torch.dtype) -> "Dense":
+    def init(
+        name: str,
+        below: tuple[int, ...],
+        above: tuple[int, ...],
+        scale: float,
+        gen: torch.Generator,
+        dtype: torch.dtype,
+    ) -> "Dense":
         """Uniform(+-scale/sqrt(fan_in)) weights, zero bias."""
         fan_in, fan_out = math.prod(below), math.prod(above)
         bound = 1.0 / math.sqrt(fan_in) * scale
@@ -89,7 +95,9 @@ class Dense:
         gw = torch.addmm(torch.mm(am.T, bm), ap.T, bp, beta=scale, alpha=-scale)
         return {f"W_{self.name}": gw, f"b_{self.name}": torch.sub(am, ap).sum(0).mul_(scale)}
 
-    def ep_grads_clamped(self, x: Tensor, plus: Tensor, minus: Tensor, scale: float) -> tuple[dict[str, Tensor], Tensor]:
+    def ep_grads_clamped(
+        self, x: Tensor, plus: Tensor, minus: Tensor, scale: float
+    ) -> tuple[dict[str, Tensor], Tensor]:
         """Both phases share x, so the weight statistic is one product of (above- - above+) with x."""
         d = torch.sub(minus, plus).mul_(scale)
         return {f"W_{self.name}": torch.mm(d.T, x), f"b_{self.name}": d.sum(0)}, torch.mm(d, self.weight)
