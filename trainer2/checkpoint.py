@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from trainer2 import strictjson
 from trainer2.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, A
         meta = {**meta, "format_version": FORMAT_VERSION, "step": step,
                 "tensors": {"file": TENSORS_FILE, "bytes": (tmp / TENSORS_FILE).stat().st_size, "sha256": _sha256(tmp / TENSORS_FILE)}}
         with open(tmp / META_FILE, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
+            f.write(strictjson.dumps(meta, indent=1))  # a diverged run's history holds NaN: null, not NaN
             f.flush()
             os.fsync(f.fileno())
         _fsync(tmp)

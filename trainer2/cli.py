@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import json
 import shlex
 import signal
 import sys
@@ -18,6 +17,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
+from trainer2 import strictjson
 from trainer2.checkpoint import CheckpointError, read_meta
 from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
 from trainer2.data import DataError
@@ -164,7 +164,7 @@ def cmd_evaluate(argv: list[str]) -> int:
 
     trained = load_trained(path, args)
     out = {"checkpoint": str(path), "window": trained.window, **trained.evaluate()}
-    print(json.dumps(out, indent=2))
+    print(strictjson.dumps(out, indent=2))
     return 0
 
 

@@ -91,7 +91,7 @@ class Trainer:
         self.monitor = Monitor(cfg, self.device, self.run_dir, eager=not (graphs or cfg.use_torch_compile), log=log, writes=self.dist.is_main)
         self._interval = (time.perf_counter(), 0)  # (clock, window) where the current log interval began
         self._saved_at = -1  # window of the last checkpoint this trainer saved or loaded
-        self.health = Health(cfg.eps, log)
+        self.health = Health(cfg.eps, log, uniform_loss=math.log(max(self.data.num_classes, 2)))
         self.text = self.data.kind == "text"  # bits per character only mean something for text
 
     def __setattr__(self, name: str, value: Any) -> None:
