@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -80,3 +81,59 @@ def test_a_diverging_loss_exits_3(tmp_path, small_text, capsys):
     err = capsys.readouterr().err
     assert "the run diverged: the training loss" in err and "Traceback" not in err
     assert strict((run_dir(tmp_path, "mom") / "summary.json").read_text())["diverged"] is True
+
+
+# --- 2. a run directory's contents are the run's own ---
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("run_name", "step_00000001", "shaped like a checkpoint directory"),
+    ("run_name", ".lock", "not first"),
+    ("checkpoint_dir", "", "checkpoint_dir (from command line): must name a directory"),
+])
+def test_run_names_shaped_like_checkpoints_and_an_empty_checkpoint_dir_are_refused(tmp_path, small_text, capsys, flag, value, says):
+    argv = flags(tmp_path, small_text, max_windows=2) + [f"--{flag}", value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count(repr(value)) <= 1  # the value is named once, not repeated
+    assert not (tmp_path / "ck").exists() and not (tmp_path / ".lock").exists()
+
+
+def test_pruning_removes_only_the_runs_own_checkpoints(tmp_path, small_text):
+    rd = run_dir(tmp_path, "own")
+    other = rd / "step_00000001"  # another run's directory (made by hand), named like a checkpoint
+    other.mkdir(parents=True)
+    (other / "notes.txt").write_text("keep me")
+    (rd / ".run").write_text('{"run_id": "x"}')  # ...so the fresh run is refused: the directory is not new
+    assert main(flags(tmp_path, small_text, run_name="own", max_windows=6, save_every_windows=2, keep_last=1)) == 2
+    (rd / ".run").unlink()
+    Trainer(config(tmp_path, small_text, run_name="own", max_windows=6, save_every_windows=2, keep_last=1), log=lambda m: None).train()
+    assert [p.name for p in ck.list_checkpoints(rd)] == ["step_00000001", "step_00000006"]
+    assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_a_resume_into_a_directory_holding_another_runs_files_is_refused(tmp_path, small_text, capsys):
+    Trainer(config(tmp_path, small_text, run_name="src", max_windows=4), log=lambda m: None).train()
+    elsewhere = tmp_path / "ck" / "busy"
+    elsewhere.mkdir()
+    files = {"config.yaml": "seed: 5\n", "summary.json": "{}\n", "telemetry.jsonl": '{"window": 9}\n'}
+    for name, text in files.items():
+        (elsewhere / name).write_text(text)
+    os.rename(run_dir(tmp_path, "src") / "step_00000004", elsewhere / "step_00000004")
+    assert main(["--resume", str(elsewhere / "step_00000004"), "--max_windows", "6"]) == 2
+    assert "holds files of another run" in capsys.readouterr().err
+    assert {n: (elsewhere / n).read_text() for n in files} == files
+    assert not (elsewhere / "step_00000006").exists()
+
+
+@pytest.mark.parametrize("planted", [".lock", ".summary.json.tmp", ".config.yaml.tmp", "telemetry.jsonl"])
+def test_nothing_is_written_through_a_planted_symlink(tmp_path, small_text, capsys, planted):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    rd = run_dir(tmp_path, "linked")
+    rd.mkdir(parents=True)
+    os.symlink(victim, rd / planted)
+    rc = main(flags(tmp_path, small_text, run_name="linked", max_windows=3))
+    assert victim.read_text() == "precious"
+    assert "Traceback" not in capsys.readouterr().err
+    assert rc in (0, 2, 74) and (rc == 0) == planted.endswith(".tmp")  # a leftover tmp link is removed, not followed

@@ -120,6 +120,8 @@ def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, A
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / step_name(step)
     tmp = run_dir / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
+    if tmp.is_symlink():  # never followed: the link goes, not what it points to
+        tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -147,9 +149,20 @@ def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, A
     return target
 
 
-def prune(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest keep_last complete checkpoints; returns what was removed."""
-    old = list_checkpoints(run_dir)[:-keep_last]
+def recorded_run(path: Path) -> str | None:
+    """The run id a checkpoint's sidecar records (None: unreadable, or written before runs had ids)."""
+    try:
+        rid = json.loads((path / META_FILE).read_text(encoding="utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) else None
+
+
+def prune(run_dir: Path, keep_last: int, run_id: str) -> list[Path]:
+    """Delete all but the newest keep_last of the run's own checkpoints: those whose sidecar records `run_id`. A
+    directory merely named like a checkpoint (another run's, a link) is never removed. Returns what was removed."""
+    own = [p for p in list_checkpoints(run_dir) if not p.is_symlink() and recorded_run(p) == run_id]
+    old = own[:-keep_last]
     for path in old:
         shutil.rmtree(path)
     return old

@@ -163,8 +163,17 @@ class TrainConfig(BaseModel):
     @field_validator("run_name")
     @classmethod
     def _run_name(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v) or v in (".", ".."):
-            raise ValueError(f"expected letters, digits, '_', '-' or '.', got {short_repr(v)}")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v) or v.startswith("."):
+            raise ValueError(f"expected letters, digits, '_', '-' or '.' (not first), got {short_repr(v)}")
+        if re.fullmatch(r"step_\d+", v):  # a run directory named like a checkpoint would be taken for one
+            raise ValueError(f"{short_repr(v)} is shaped like a checkpoint directory (step_<N>); pick another name")
+        return v
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _checkpoint_dir(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must name a directory (use '.' for the current one)")
         return v
 
     @model_validator(mode="after")
@@ -312,7 +321,8 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> TrainConfig:
             top = str(err["loc"][0]) if err["loc"] else field
             where = f" (from {origin[top]})" if top in origin else ""
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{field}{where}: {msg}" + (f" (got {short_repr(err['input'])})" if field != "config" and "input" in err else ""))
+            shown = "input" not in err or field == "config" or short_repr(err["input"]) in msg  # the message names it already
+            lines.append(f"{field}{where}: {msg}" + ("" if shown else f" (got {short_repr(err['input'])})"))
         if e.error_count() > MAX_ERRORS:
             lines.append(f"... and {e.error_count() - MAX_ERRORS} more")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None

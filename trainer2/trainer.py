@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ from trainer2.machine import Machine, build_machine
 from trainer2.memory import MemoryBank
 from trainer2.params import ParamTable
 from trainer2.relaxation import Relaxation
-from trainer2.rundir import SUMMARY_FILE, write_error
+from trainer2.rundir import SUMMARY_FILE, claim, write_error
+from trainer2.safeio import write_replace
 from trainer2.step import BatchStep, build_step
 from trainer2.telemetry import Monitor
 from trainer2.update import Updater
@@ -91,6 +93,7 @@ class Trainer:
         self.monitor = Monitor(cfg, self.device, self.run_dir, eager=not (graphs or cfg.use_torch_compile), log=log, writes=self.dist.is_main)
         self._interval = (time.perf_counter(), 0)  # (clock, window) where the current log interval began
         self._saved_at = -1  # window of the last checkpoint this trainer saved or loaded
+        self.run_id = uuid.uuid4().hex  # stamps this run's checkpoints: pruning removes only those (a resume keeps it)
         self.health = Health(cfg.eps, log, uniform_loss=math.log(max(self.data.num_classes, 2)))
         self.text = self.data.kind == "text"  # bits per character only mean something for text
 
@@ -144,6 +147,8 @@ class Trainer:
         bar = tqdm(total=total, initial=self.progress.window, desc=cfg.run_name, unit="win", dynamic_ncols=True, mininterval=1.0, **quiet)
         if not bar.disable and not getattr(bar.fp, "isatty", lambda: False)():
             bar.mininterval = bar.maxinterval = 30.0  # in a pipe or CI: a line every 30 s, not a flood
+        if self.dist.is_main:
+            claim(self.run_dir, self.run_id)
         mon = self.monitor
         mon.attach(self.relaxation, bar, cfg.run_name)
         mon.start(self.progress.window)
@@ -302,7 +307,7 @@ class Trainer:
         tensors = self.checkpoint_tensors()
         p = self.progress
         meta = {
-            "config": self.cfg.model_dump(mode="json"),
+            "config": self.cfg.model_dump(mode="json"), "run_id": self.run_id,
             "counters": {"window": p.window, "examples": p.examples, "epoch": p.window / self.sampler.batches_per_epoch,
                          "sampler_epoch": self.sampler.epoch, "sampler_pos": int(self.sampler.state_dict()["pos"]),
                          "global_batch": self.global_batch, "world_size": self.dist.world_size,
@@ -339,7 +344,7 @@ class Trainer:
                 path = ck.save(self.run_dir, self.progress.window, tensors, meta)
             except (OSError, SafetensorError) as e:  # disk full, read-only, quota: save removed its temporary directory
                 raise write_error(path, e, "checkpoints saved before it are intact") from None
-            ck.prune(self.run_dir, self.cfg.keep_last)
+            ck.prune(self.run_dir, self.cfg.keep_last, self.run_id)
             self.log(f"checkpoint: {path}")
         self._saved_at = self.progress.window
         return path
@@ -359,6 +364,8 @@ class Trainer:
             self.log(f"warning: checkpoint {path} was written with torch {saved_torch}, this is {torch.__version__}; "
                      "the resumed run may not be bitwise identical")
         self.load_state_dict(loaded, meta)
+        if isinstance(meta.get("run_id"), str) and path.resolve().parent == self.run_dir.resolve():
+            self.run_id = meta["run_id"]  # the same run goes on; a branch into a new directory is a run of its own
         if not self.dist.is_main:
             self.updater.metrics.values.zero_()  # the saved sums are every rank's: rank 0 alone carries them on
         self._saved_at = self.progress.window
@@ -394,11 +401,5 @@ class Trainer:
         summary = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            path, tmp = self.run_dir / SUMMARY_FILE, self.run_dir / f".{SUMMARY_FILE}.tmp"
-            try:
-                tmp.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-                tmp.replace(path)  # whole or not at all, even on a full disk
-            except OSError:
-                tmp.unlink(missing_ok=True)
-                raise
+            write_replace(self.run_dir / SUMMARY_FILE, (json.dumps(summary, indent=2, allow_nan=False) + "\n").encode())
         return summary
