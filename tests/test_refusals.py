@@ -3,14 +3,21 @@ directories that hold only the run's own files, validation before allocation, an
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import zipfile
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from test_checkpoint import config, flags, run_dir
 from trainer2 import checkpoint as ck
+from trainer2 import data as data_module
+from trainer2 import sizes
+from trainer2 import trainer as trainer_module
 from trainer2.cli import main
 from trainer2.health import LOSS_STREAK, UNIFORM_FACTOR, Diverged, Health
 from trainer2.trainer import Trainer
@@ -137,3 +144,78 @@ def test_nothing_is_written_through_a_planted_symlink(tmp_path, small_text, caps
     assert victim.read_text() == "precious"
     assert "Traceback" not in capsys.readouterr().err
     assert rc in (0, 2, 74) and (rc == 0) == planted.endswith(".tmp")  # a leftover tmp link is removed, not followed
+
+
+# --- 3. validation before allocation ---
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("batch_size", 10**6, "batch_size: 1000000 x 1 process(es) is more than the"),
+    ("hidden_sizes", [2**19, 2**19], "hidden_sizes: the run would need about"),
+    ("memory_capacity", 2**30, "memory_capacity: the run would need about"),
+    ("rotor_k", 2**24, "rotor_k: the run would need about"),
+    ("nudge_steps", 10**6, "nudge_steps: the run would need about"),
+    ("coord_dim_n", 10**6, "coord_dim_n (from command line): Input should be less than or equal to 2048"),
+    ("tbptt_window_steps", 10**11, "tbptt_window_steps (from command line): Input should be less than or equal to"),
+    ("max_epochs", 1e308, "max_epochs (from command line): Input should be less than or equal to"),
+    ("embed_dim", 10**7, "embed_dim (from command line): Input should be less than or equal to"),
+])
+def test_sizes_that_cannot_fit_are_refused_before_allocation(tmp_path, small_text, capsys, monkeypatch, field, value, says):
+    monkeypatch.setattr(sizes, "available_bytes", lambda device: 0.5 * 2**30)  # the same answer on any machine
+    monkeypatch.setattr(trainer_module, "build_machine", lambda *a: pytest.fail("allocated before the check"))
+    kw = {"max_windows": 2, field: value}
+    if field == "batch_size":
+        kw["memory_capacity"] = 0
+    assert main(flags(tmp_path, small_text, run_name="big", **kw)) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+def npy_header(shape) -> bytes:
+    hdr = io.BytesIO()
+    np.lib.format.write_array_header_1_0(hdr, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return hdr.getvalue()
+
+
+def make_npz(path, x_header_shape, x_bytes: bytes):
+    y = io.BytesIO()
+    np.save(y, np.arange(4) % 2)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("x.npy", npy_header(x_header_shape) + x_bytes)
+        z.writestr("y.npy", y.getvalue())
+    return path
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "zeros", "lying npz", "npz bomb"])
+def test_data_files_are_checked_before_they_are_read_to_the_end(tmp_path, capsys, monkeypatch, kind):
+    monkeypatch.setattr(data_module, "available_bytes", lambda device: 2.0 * 2**30)
+    if kind == "fifo":
+        path, says = tmp_path / "pipe.txt", "is not a regular file"
+        os.mkfifo(path)
+    elif kind == "/dev/zero":
+        path, says = "/dev/zero", "is not a regular file"
+    elif kind == "zeros":
+        path, says = tmp_path / "zeros.txt", "holds NUL bytes"
+        path.write_bytes(b"\0" * 100_000)
+    elif kind == "lying npz":
+        path, says = make_npz(tmp_path / "lie.npz", (10**12, 4), b"\0" * 64), "its header says float32 (1000000000000, 4)"
+    else:  # 3 GiB of zeros compress to a few MB; the check reads only the zip directory and the header
+        path, says = make_npz(tmp_path / "bomb.npz", (4, 4), b"\0" * 64), "once decompressed"
+        real = zipfile.ZipFile.getinfo
+
+        def inflated(self, name):
+            info = real(self, name)
+            if name == "x.npy":
+                info.file_size = len(npy_header((4, 4))) + 3 * 2**30  # what a bomb's directory says...
+            return info
+
+        def header(f, real=np.lib.format.read_array_header_1_0, calls=[]):
+            calls.append(1)
+            got = real(f)
+            return ((3 * 2**28, 1), False, np.dtype("<f4")) if len(calls) == 1 else got  # ...and x's header agrees
+
+        monkeypatch.setattr(zipfile.ZipFile, "getinfo", inflated)
+        monkeypatch.setattr(np.lib.format, "read_array_header_1_0", header)
+    assert main(flags(tmp_path, Path(path), run_name="d", max_windows=2)) == 2
+    err = capsys.readouterr().err
+    assert says in err and str(path) in err and "Traceback" not in err, err

@@ -17,6 +17,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from trainer2 import strictjson
 from trainer2.checkpoint import CheckpointError, read_meta
 from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
@@ -186,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # disk full, read-only, quota: the file and the cause, no traceback
         print(f"trainer2: error: {e.filename}: {e.strerror}" if e.filename else f"trainer2: error: {e}", file=sys.stderr)
         return EXIT_IOERR
+    except (MemoryError, RuntimeError) as e:  # an allocation trainer2.sizes' estimate did not foresee
+        if isinstance(e, RuntimeError) and not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        print(f"trainer2: error: out of memory ({' '.join(str(e).split())[:300] or 'MemoryError'}); lower batch_size, "
+              "hidden_sizes, memory_capacity or the data's size", file=sys.stderr)
+        return EXIT_REFUSED
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops gracefully): nothing half-written
         print("trainer2: interrupted", file=sys.stderr)
         return exit_code(signal.SIGINT)

@@ -19,6 +19,7 @@ MAX_YAML_BYTES = 1 << 20  # a config is a few hundred bytes; the cap bounds what
 MAX_REPR = 200  # characters of an offending value an error message shows
 MAX_ERRORS = 10  # validation errors listed per message
 MAX_LR = 1.0  # largest learning rate of any parameter group (see _numerics)
+MAX_WIDTH, MAX_DEPTH = 2**20, 1024  # hidden layers: sane bounds; what fits in memory is trainer2.sizes' to say
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -73,14 +74,14 @@ class TrainConfig(BaseModel):
 
     # --- data ---
     data: str | None = Field(None, description="UTF-8 text file or .npz feature set; none = built-in pydoc corpus.")
-    context_len: int = Field(8, ge=1, description="Characters of context per example (text data).")
-    embed_dim: int = Field(16, ge=1, description="Embedding size per context character (text data).")
+    context_len: int = Field(8, ge=1, le=2**16, description="Characters of context per example (text data).")
+    embed_dim: int = Field(16, ge=1, le=2**16, description="Embedding size per context character (text data).")
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of the data, by position, held out.")
 
     # --- machine ---
     hidden_sizes: list[int] = Field([256], min_length=1, description="Sizes of the hidden layers h_1..h_M.")
-    coord_dim_n: int = Field(16, ge=2, description="Dimension n of the output coordinates q.")
-    rotor_k: int = Field(32, ge=0, description="Number of Givens rotations in the readout's rotor frame.")
+    coord_dim_n: int = Field(16, ge=2, le=2048, description="Dimension n of the output coordinates q.")
+    rotor_k: int = Field(32, ge=0, le=2**24, description="Number of Givens rotations in the readout's rotor frame.")
     retrieval_beta: float = Field(1.0, gt=0.0, description="Inverse temperature of retrieval: p = softmax(-beta * cost).")
     eps: float = Field(1e-6, gt=0.0, description="Added under the square root of the quadratic form spd.")
     g_min: float = Field(0.05, gt=0.0, description="Lower clamp of the metric diagonal g_diag.")
@@ -92,11 +93,11 @@ class TrainConfig(BaseModel):
     spectral_cap: float = Field(0.7, gt=0.0, lt=1.0, description="Cap kappa on the couplings' part of E's Hessian, so its smallest "
                                 "curvature is >= 1 - kappa at any depth: each coupling between state layers is capped at kappa / (2 cos(pi/(M+2))) "
                                 "for M hidden layers (kappa itself for one).")
-    memory_capacity: int = Field(0, ge=0, description="Slots of the memory bank of recent equilibria; 0 = off.")
+    memory_capacity: int = Field(0, ge=0, le=2**31, description="Slots of the memory bank of recent equilibria; 0 = off.")
 
     # --- dynamics ---
-    tbptt_window_steps: int = Field(64, ge=1, description="Free-phase relaxation steps per window.")
-    nudge_steps: int = Field(16, ge=1, description="Steps of each nudged phase.")
+    tbptt_window_steps: int = Field(64, ge=1, le=10**6, description="Free-phase relaxation steps per window.")
+    nudge_steps: int = Field(16, ge=1, le=10**6, description="Steps of each nudged phase.")
     beta_nudge: float = Field(0.003, gt=0.0, description="Nudging strength beta.")
     symmetric_nudge: bool = Field(True, description="Nudge with +beta and -beta (bias O(beta^2)) instead of +beta only.")
     dt: float = Field(1.0, gt=0.0, description="Integrator step size.")
@@ -117,11 +118,11 @@ class TrainConfig(BaseModel):
     lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of the peak (cosine).")
 
     # --- batching and speed ---
-    batch_size: int = Field(64, ge=1, description="Examples per window and process (under torchrun the global batch is batch_size x world size); follows capture_batch_size when only that is given.")
+    batch_size: int = Field(64, ge=1, le=2**24, description="Examples per window and process (under torchrun the global batch is batch_size x world size); follows capture_batch_size when only that is given.")
     static_shapes: bool = Field(False, description="Keep every tensor's shape fixed for the whole run (needed for graphs).")
     capture_batch_size: int | None = Field(None, ge=1, description="Batch size the CUDA graph is captured at; must equal batch_size.")
     use_cudagraphs: bool = Field(False, description="Capture the batch step as a CUDA graph and replay it (CUDA only).")
-    warmup_steps: int = Field(3, ge=0, description="Eager windows on a side stream before graph capture.")
+    warmup_steps: int = Field(3, ge=0, le=10**4, description="Eager windows on a side stream before graph capture.")
     use_torch_compile: bool = Field(False, description="Compile the batch step with torch.compile.")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile mode; 'reduce-overhead' lets torch.compile record CUDA graphs itself "
@@ -131,8 +132,8 @@ class TrainConfig(BaseModel):
     allow_tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere and newer GPUs.")
 
     # --- loop, logging, evaluation, checkpoints ---
-    max_windows: int | None = Field(2000, ge=1, description="Stop after this many windows (batches); none = no limit.")
-    max_epochs: float | None = Field(None, gt=0.0, description="Stop after this many passes over the training data; none = no limit.")
+    max_windows: int | None = Field(2000, ge=1, le=10**15, description="Stop after this many windows (batches); none = no limit.")
+    max_epochs: float | None = Field(None, gt=0.0, le=1e9, description="Stop after this many passes over the training data; none = no limit.")
     log_every_windows: int = Field(50, ge=1, description="Windows between metric syncs (progress bar and telemetry).")
     eval_every_windows: int = Field(500, ge=0, description="Windows between held-out evaluations; 0 = only at the end.")
     eval_batches: int | None = Field(None, ge=1, description="Held-out batches per evaluation; none = the whole held-out split.")
@@ -158,6 +159,8 @@ class TrainConfig(BaseModel):
     def _hidden(cls, v: list[int]) -> list[int]:
         if any(h < 1 for h in v):
             raise ValueError(f"every hidden size must be >= 1, got {short_repr(v)}")
+        if any(h > MAX_WIDTH for h in v) or len(v) > MAX_DEPTH:
+            raise ValueError(f"at most {MAX_DEPTH} hidden layers of at most {MAX_WIDTH} units each, got {short_repr(v)}")
         return v
 
     @field_validator("run_name")

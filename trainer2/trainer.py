@@ -34,6 +34,7 @@ from trainer2.params import ParamTable
 from trainer2.relaxation import Relaxation
 from trainer2.rundir import SUMMARY_FILE, claim, write_error
 from trainer2.safeio import write_replace
+from trainer2.sizes import check_sizes
 from trainer2.step import BatchStep, build_step
 from trainer2.telemetry import Monitor
 from trainer2.update import Updater
@@ -78,6 +79,8 @@ class Trainer:
         torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
         torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
         self.data: Dataset = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
+        check_sizes(cfg, self.data.num_classes, self.data.input_dim, self.data.kind == "text", self.data.num_examples("train"),
+                    self.dist.world_size, self.device)  # before anything large is allocated
         self.machine: Machine = build_machine(cfg, self.data.num_classes, self.data.input_dim, self.data.kind == "text", self.device)
         like = self.machine.readout.protos
         self.memory = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, like) if cfg.memory_capacity else None
