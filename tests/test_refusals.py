@@ -7,18 +7,24 @@ import io
 import json
 import math
 import os
+import runpy
+import signal
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from test_checkpoint import config, flags, run_dir
+from test_checkpoint import config, flags, run_dir, saved  # noqa: F401 (saved: a fixture)
 from trainer2 import checkpoint as ck
 from trainer2 import data as data_module
 from trainer2 import sizes
 from trainer2 import trainer as trainer_module
 from trainer2.cli import main
+from trainer2.gradients import ep_gradients
 from trainer2.health import LOSS_STREAK, UNIFORM_FACTOR, Diverged, Health
 from trainer2.trainer import Trainer
 
@@ -219,3 +225,141 @@ def test_data_files_are_checked_before_they_are_read_to_the_end(tmp_path, capsys
     assert main(flags(tmp_path, Path(path), run_name="d", max_windows=2)) == 2
     err = capsys.readouterr().err
     assert says in err and str(path) in err and "Traceback" not in err, err
+
+
+# --- 4. every traceback class becomes a clear error naming the input ---
+
+
+def edit_meta(step: Path, edit) -> None:
+    meta = json.loads((step / ck.META_FILE).read_text())
+    edit(meta)
+    (step / ck.META_FILE).write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: m["counters"].update(window=10**300), "counters.window"),
+    (lambda m: m["counters"].update(window=-5), "counters.window must be an integer >= 0, got -5"),
+    (lambda m: m["counters"].update(global_batch="x"), "counters.global_batch must be an integer >= 1, got 'x'"),
+    (lambda m: m["counters"].update(world_size=0), "counters.world_size"),
+    (lambda m: m["counters"].update(wall_seconds=1e400), "counters.wall_seconds must be a finite number"),
+    (lambda m: m.update(history=["a", 1]), "history[0] must be a JSON object"),
+    (lambda m: m.update(versions="x"), "'versions' must be a JSON object"),
+    (lambda m: m.update(run_id=[1]), "'run_id' must be a JSON string"),
+])
+def test_a_corrupt_sidecar_field_is_refused_before_training(saved, capsys, edit, says):
+    edit_meta(saved, edit)
+    assert main(["--resume", str(saved), "--max_windows", "12"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and str(saved / ck.META_FILE) in err and "Traceback" not in err, err
+    assert not (saved.parent / "step_00000012").exists()
+
+
+def test_invalid_random_generator_bytes_are_refused(saved, capsys):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(saved / ck.TENSORS_FILE))
+    tensors["rng.cpu"] = torch.zeros_like(tensors["rng.cpu"])
+    save_file(tensors, str(saved / ck.TENSORS_FILE))
+    edit_meta(saved, lambda m: m["tensors"].update(bytes=(saved / ck.TENSORS_FILE).stat().st_size,
+                                                   sha256=ck._sha256(saved / ck.TENSORS_FILE)))
+    assert main(["--resume", str(saved), "--max_windows", "12"]) == 2
+    assert "tensor 'rng.cpu' is no valid random-generator state" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK, WORLD_SIZE and LOCAL_RANK must be integers"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "the process group cannot start"),  # no MASTER_ADDR
+])
+def test_bad_torchrun_environments_are_clear_errors(tmp_path, small_text, capsys, monkeypatch, env, says):
+    for k in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(flags(tmp_path, small_text, run_name="env", max_windows=2)) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+def test_plot_skips_odd_telemetry_values(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rd = tmp_path / "odd"
+    rd.mkdir()
+    rows = [{"window": "x", "train_loss": 1.0}, {"window": 1, "train_loss": True}, {"window": 2, "train_loss": 1e308},
+            {"window": 3, "train_loss": [1]}, {"window": 4, "train_loss": 2.0, "lr": {"a": 1}}, {"window": None}]
+    (rd / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"window": 5, "train_loss": NaN}\n')
+    assert main(["plot", str(rd)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_sampling_at_a_vanishing_temperature_is_greedy(saved, capsys):
+    assert main(["sample", "--checkpoint", str(saved), "--temperature", "1e-320", "--length", "8", "--prompt", "the"]) == 0
+    hot = capsys.readouterr().out
+    assert main(["sample", "--checkpoint", str(saved), "--temperature", "0", "--length", "8", "--prompt", "the"]) == 0
+    assert capsys.readouterr().out == hot
+
+
+def test_ctrl_c_while_starting_up_is_no_traceback(monkeypatch, capsys):
+    class Interrupting:
+        def find_spec(self, name, path=None, target=None):
+            if name == "trainer2.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "trainer2.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(Path(__file__).resolve().parent.parent / "main.py"), run_name="__main__")
+    assert stop.value.code == 130 and capsys.readouterr().err == "trainer2: interrupted\n"
+
+
+@pytest.mark.parametrize("sig", ["SIGHUP", "SIGQUIT"])
+def test_sighup_and_sigquit_save_like_sigterm(tmp_path, small_text, sig):
+    calls = []
+
+    def hangs_up_at_window_4(relax, inputs, targets):
+        calls.append(1)
+        if len(calls) == 4:
+            signal.raise_signal(getattr(signal, sig))
+        return ep_gradients(relax, inputs, targets)
+
+    tr = Trainer(config(tmp_path, small_text, run_name="hup", max_windows=40), gradients=hangs_up_at_window_4, log=lambda m: None)
+    summary = tr.train()
+    assert summary["interrupted"] == sig and summary["windows"] == 4
+    assert ck.find_latest(run_dir(tmp_path, "hup")).name == "step_00000004"
+
+
+def test_a_moved_data_file_with_the_same_contents_resumes_with_a_note(tmp_path, small_text, saved, capsys):
+    moved = tmp_path / "elsewhere.txt"
+    os.rename(small_text, moved)
+    assert main(["--resume", str(saved), "--max_windows", "12", "--data", str(moved)]) == 0
+    assert f"note: the data is read from {moved}, the checkpoint's from {small_text}" in capsys.readouterr().out
+    moved.write_text(moved.read_text().replace("cat", "cow"))
+    assert main(["--resume", "latest", "--run_name", "r", "--checkpoint_dir", str(tmp_path / "ck"), "--max_windows", "14",
+                 "--data", str(moved)]) == 2
+    assert "the data differs from the checkpoint's" in capsys.readouterr().err
+
+
+def test_summary_json_is_written_when_stdout_is_gone(tmp_path, small_text):
+    argv = flags(tmp_path, small_text, run_name="pipe", max_windows=6, log_every_windows=2)
+    proc = subprocess.Popen([sys.executable, "main.py", *argv], cwd=Path(__file__).resolve().parent.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "TQDM_DISABLE": "1"})
+    proc.stdout.close()  # the reader went away (`| head`): every write to stdout is a broken pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "Exception ignored" not in err
+    assert strict((run_dir(tmp_path, "pipe") / "summary.json").read_text())["windows"] == 6
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--preset", "--config"])
+def test_empty_resume_preset_and_config_are_refused(tmp_path, capsys, flag):
+    assert main([flag, "", "--checkpoint_dir", str(tmp_path / "ck")]) == 2
+    assert f"{flag}: empty" in capsys.readouterr().err
+    assert not (tmp_path / "ck").exists()
+
+
+def test_yaml_duplicate_keys_are_refused(tmp_path, capsys):
+    cfg = tmp_path / "dup.yaml"
+    cfg.write_text("eta_update: 0.001\nbatch_size: 8\neta_update: 0.01\n")
+    assert main(["--config", str(cfg), "--checkpoint_dir", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "duplicate key 'eta_update'" in err and str(cfg) in err and "line 3" in err

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -24,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from trainer2 import strictjson
-from trainer2.config import TrainConfig
+from trainer2.config import TrainConfig, short_repr
 
 if TYPE_CHECKING:
     from trainer2.data import Dataset
@@ -46,6 +47,8 @@ RESUME_FREE_FIELDS = frozenset({
     "compile_mode", "profile_windows", "cleanup_every", "cleanup_threshold", "tensorboard", "dist_timeout_seconds",
     # per process: the global batch (batch_size x world size) is what must match, checked by Trainer.load_checkpoint
     "batch_size",
+    # the data file's path: its contents must match, checked by their fingerprint (check_data), so a moved file resumes
+    "data",
 })
 
 
@@ -194,11 +197,50 @@ def read_meta(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{file}: {key!r} must be a JSON {kind.__name__}, got {type(meta[key]).__name__}")
     if not isinstance(meta["tensors"].get("bytes"), int) or not isinstance(meta["tensors"].get("sha256"), str):
         raise CheckpointError(f"{file}: 'tensors' must record the tensor file's 'bytes' and 'sha256'")
+    check_fields(meta, file)
     named = STEP_RE.fullmatch(path.name)
     if named and int(named.group(1)) != meta["step"]:
         raise CheckpointError(f"{file}: records step {meta['step']}, but its directory is named {path.name}; "
                               "was it renamed or copied over?")
     return meta
+
+
+def _count(v: Any, least: int) -> bool:
+    """Whether v is a JSON integer >= least (not a bool, not a float)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def check_fields(meta: dict[str, Any], file: Path) -> None:
+    """The sidecar's fields that the trainer reads as numbers, rows or names must be of those types (a hand-edited or
+    corrupt one is refused here, not with a traceback later, nor after training has finished)."""
+    c = meta["counters"]
+    bad = [f"counters.{k} must be an integer >= {least}, got {short_repr(c.get(k))}"
+           for k, least, needed in (("window", 0, True), ("examples", 0, True), ("sampler_epoch", 0, False),
+                                    ("sampler_pos", 0, False), ("global_batch", 1, False), ("world_size", 1, False))
+           if (needed or k in c) and not _count(c.get(k), least)]
+    wall = c.get("wall_seconds")
+    if not (isinstance(wall, (int, float)) and not isinstance(wall, bool) and math.isfinite(wall) and wall >= 0):
+        bad.append(f"counters.wall_seconds must be a finite number >= 0, got {short_repr(wall)}")
+    if not _count(meta["step"], 0) or (_count(c.get("window"), 0) and c["window"] != meta["step"]):
+        bad.append(f"step must equal counters.window, got {short_repr(meta['step'])} and {short_repr(c.get('window'))}")
+    rows = [i for i, r in enumerate(meta["history"]) if not isinstance(r, dict)]
+    if rows:
+        bad.append(f"history[{rows[0]}] must be a JSON object (a logged row), got {short_repr(meta['history'][rows[0]])}")
+    for key, kind in (("versions", dict), ("run_id", str), ("saved_at", str)):
+        if key in meta and not isinstance(meta[key], kind):
+            bad.append(f"{key!r} must be a JSON {'object' if kind is dict else 'string'}, got {short_repr(meta[key])}")
+    if bad:
+        raise CheckpointError(f"{file}: " + "; ".join(bad) + "; the sidecar is corrupt or was edited")
+
+
+def check_generators(loaded: dict[str, Tensor], file: Path) -> None:
+    """Refuse random-generator states (of torch and the sampler) that torch cannot take back, before any is set."""
+    for key in ("rng.cpu", "sampler.generator"):
+        if key in loaded:
+            try:
+                torch.Generator().set_state(loaded[key].to(torch.uint8))
+            except RuntimeError as e:
+                raise CheckpointError(f"{file}: tensor {key!r} is no valid random-generator state ({e})") from None
 
 
 def load_tensors(path: Path, meta: dict[str, Any]) -> dict[str, Tensor]:
@@ -260,7 +302,7 @@ def check_data(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
         if saved.get(key) != now[key]:
             what = "vocabulary" if key == "vocab" else key
             raise CheckpointError(f"checkpoint {path}: the data differs from the checkpoint's ({what}: checkpoint "
-                                  f"{saved.get(key)!r}, now {now[key]!r}; source {now['source']})")
+                                  f"{short_repr(saved.get(key))}, now {short_repr(now[key])}; source {now['source']})")
 
 
 def check_tensors(loaded: dict[str, Tensor], like: dict[str, Tensor], file: Path, optional: frozenset[str] = frozenset()) -> None:

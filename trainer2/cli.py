@@ -23,7 +23,8 @@ from trainer2 import strictjson
 from trainer2.checkpoint import CheckpointError, read_meta
 from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
 from trainer2.data import DataError
-from trainer2.distributed import DistributedError, init_distributed, rank_label
+from trainer2.console import say
+from trainer2.distributed import Distributed, DistributedError, init_distributed, rank_label
 from trainer2.flags import add_config_flags, config_layers, none_or
 from trainer2.health import Diverged
 from trainer2.interrupt import exit_code
@@ -70,6 +71,8 @@ def print_config(args: argparse.Namespace) -> int:
 
 def cmd_train(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
+    if args.resume == "":
+        raise ConfigError("--resume: empty; expected 'latest' or a step_<N>/ checkpoint directory (drop --resume to start afresh)")
     if args.print_config:
         return print_config(args)
     from trainer2.trainer import Trainer
@@ -80,18 +83,18 @@ def cmd_train(argv: list[str]) -> int:
     else:
         cfg = build_config(fresh_layers(layers, preset_path(args.preset).stem if args.preset else "run"))
         run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
-    writer = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes, so only it owns the directory
+    writer = Distributed.from_env(os.environ).is_main  # under torchrun only rank 0 writes, so only it owns the directory
     with RunLock(run_dir) if writer else nullcontext():  # held until the run ends: a second run here is refused
         if args.resume:
             cfg, path = resume_config(args.resume, layers, run_dir)
         elif writer:
             fresh_run_guard(run_dir)
         if writer:
-            remove_orphans(run_dir, print)
+            remove_orphans(run_dir, say)
         check_tracking(cfg)
         dist = init_distributed(cfg)  # under torchrun: this process's rank and its process group
         try:
-            trainer = Trainer(cfg, log=print if dist.is_main else quiet, dist=dist)
+            trainer = Trainer(cfg, log=say if dist.is_main else quiet, dist=dist)
             if args.resume:
                 trainer.load_checkpoint(path)
             summary = trainer.train()
@@ -106,7 +109,7 @@ def cmd_train(argv: list[str]) -> int:
         print(f"trainer2: stopped by {summary['interrupted']} after window {summary['windows']}; resume with: "
               f"{resume_command(cfg)}", file=sys.stderr)
         return exit_code(signal.Signals[summary["interrupted"]])
-    print(done_line(summary))
+    say(done_line(summary))
     return 0
 
 

@@ -50,6 +50,22 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+def _unique_keys(loader: _ConfigLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    """A mapping whose keys are unique: `lr: 1` twice in one file is a mistake, not "the last one wins"."""
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+        except TypeError:
+            continue  # an unhashable key: the constructor below refuses it
+        if duplicate:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {short_repr(key)}", key_node.start_mark)
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:map", lambda loader, node: _unique_keys(loader, node))
 _ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 

@@ -358,9 +358,13 @@ class Trainer:
         meta = ck.read_meta(path)
         ck.check_config(meta["config"], self.cfg, path)
         ck.check_data(meta["data"], ck.data_fingerprint(self.data), path)
+        if meta["data"].get("source") != self.data.source:
+            self.log(f"note: the data is read from {self.data.source}, the checkpoint's from {meta['data'].get('source')}; "
+                     "its contents are the same (sha256), so the run goes on")
         loaded = ck.load_tensors(path, meta)
         ck.check_tensors(loaded, self.checkpoint_tensors(), path / ck.TENSORS_FILE, optional=frozenset({"rng.cuda"}))
         ck.check_counters(meta, path)
+        ck.check_generators(loaded, path / ck.TENSORS_FILE)
         self.check_global_batch(meta, path)
         saved_torch = meta.get("versions", {}).get("torch")
         if saved_torch != torch.__version__:
