@@ -264,7 +264,7 @@ def _check_npz_sizes(path: str) -> None:
     few hundred compressed bytes can expand into gigabytes) or whose header's shape does not match its size."""
     try:
         with zipfile.ZipFile(path) as z:
-            need = 0.0
+            need, shapes = 0.0, {}  # bytes once loaded; each array's shape as its header says
             for key in ("x", "y"):
                 if f"{key}.npy" not in z.namelist():
                     continue  # the loader below names a missing array
@@ -274,11 +274,19 @@ def _check_npz_sizes(path: str) -> None:
                     read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
                     shape, _, dtype = read(f)
                     header = f.tell()
+                shapes[key] = tuple(shape)
                 held = int(np.prod(shape, dtype=object)) * dtype.itemsize
-                if dtype.hasobject or held != info.file_size - header:
+                if dtype.hasobject:
+                    raise DataError(f"{path}: array {key!r} holds Python objects (pickled), which are never loaded; "
+                                    "expected numbers saved with numpy.savez")
+                if held != info.file_size - header:
                     raise DataError(f"{path}: array {key!r}: its header says {dtype} {tuple(shape)} ({held} bytes), but it "
                                     f"holds {info.file_size - header} bytes; the file is corrupt")
                 need += held + int(np.prod(shape, dtype=object)) * 8  # the array, and its float32 / int64 copy
+        rows = [shapes[k][0] if shapes[k] else None for k in ("x", "y") if k in shapes]
+        if len(rows) == 2 and rows[0] != rows[1]:
+            raise DataError(f"{path}: x and y must have the same number of rows, their headers say {shapes['x']} and "
+                            f"{shapes['y']}")
     except zipfile.BadZipFile:
         return  # not a zip archive: the loader below says what it is
     except DataError:
