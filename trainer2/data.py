@@ -285,8 +285,8 @@ def _check_npz_sizes(path: str) -> None:
                 need += held + int(np.prod(shape, dtype=object)) * 8  # the array, and its float32 / int64 copy
         rows = [shapes[k][0] if shapes[k] else None for k in ("x", "y") if k in shapes]
         if len(rows) == 2 and rows[0] != rows[1]:
-            raise DataError(f"{path}: x and y must have the same number of rows, their headers say {shapes['x']} and "
-                            f"{shapes['y']}")
+            raise DataError(f"{path}: x and y must have the same number of rows, found {rows[0]} and {rows[1]} (in their "
+                            "headers)")
     except zipfile.BadZipFile:
         return  # not a zip archive: the loader below says what it is
     except DataError:
