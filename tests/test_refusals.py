@@ -363,3 +363,12 @@ def test_yaml_duplicate_keys_are_refused(tmp_path, capsys):
     assert main(["--config", str(cfg), "--checkpoint_dir", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err
     assert "duplicate key 'eta_update'" in err and str(cfg) in err and "line 3" in err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+def test_a_config_that_is_no_regular_file_is_refused_without_reading_it(tmp_path, capsys, kind):
+    path = tmp_path / "pipe.yaml" if kind == "fifo" else Path(kind)
+    if kind == "fifo":
+        os.mkfifo(path)
+    assert main(["--config", str(path), "--checkpoint_dir", str(tmp_path / "ck")]) == 2
+    assert f"config file {path} is not a regular file" in capsys.readouterr().err

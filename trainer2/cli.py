@@ -2,8 +2,9 @@
 
 Every TrainConfig field is a flag of the same name (trainer2.flags); subcommands evaluate, sample, plot and bench.
 Exit status: 0 done; 2 refused (a bad flag, config, data file or checkpoint; a run directory in use or holding
-another run); 3 the run diverged; 74 a file could not be written (disk full, read-only); 130 / 143 stopped by
-SIGINT / SIGTERM after saving a checkpoint (the last line printed says how to resume).
+another run; sizes that cannot fit); 3 the run diverged; 74 a file could not be written (disk full, read-only, a
+planted symlink); 129 / 130 / 131 / 143 stopped by SIGHUP / SIGINT / SIGQUIT / SIGTERM after saving a checkpoint
+(the last line printed says how to resume).
 """
 
 from __future__ import annotations

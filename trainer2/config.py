@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.resources
 import re
+import stat
 import reprlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -280,6 +281,8 @@ def read_yaml(path: Path | Traversable) -> dict[str, Any]:
         if path.is_dir():
             raise ConfigError(f"config file {path} is a directory; expected a YAML file of field: value lines")
         if isinstance(path, Path):
+            if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block the read forever, /dev/zero never end
+                raise ConfigError(f"config file {path} is not a regular file (a pipe, socket or device); expected a YAML file")
             size = path.stat().st_size
             if size > MAX_YAML_BYTES:
                 raise ConfigError(f"config file {path} is {size} bytes; a config file may be at most {MAX_YAML_BYTES} bytes")

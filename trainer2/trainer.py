@@ -139,8 +139,8 @@ class Trainer:
 
     @torch.no_grad()
     def train(self) -> dict[str, Any]:
-        """Run to total_windows(), save a checkpoint and the summary, and return the summary. The first SIGINT or
-        SIGTERM stops the run after the current window, still saving both (summary["interrupted"] names the
+        """Run to total_windows(), save a checkpoint and the summary, and return the summary. The first stop signal
+        (SIGINT, SIGTERM, SIGHUP, SIGQUIT) stops the run after the current window, still saving both (summary["interrupted"] names the
         signal); a divergence (trainer2.health) stops it without saving, and raises Diverged."""
         cfg, total = self.cfg, self.total_windows()
         self.log("config:\n" + to_yaml(cfg).rstrip())
