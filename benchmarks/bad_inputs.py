@@ -7,7 +7,7 @@ corrupt checkpoints, bad torchrun environments, signals, a closed stdout, a dive
 Counts, over all cases: tracebacks (a "Traceback" on stderr), hangs (no exit within --timeout), files changed
 outside run directories (every file of the sandbox outside <ck>/<run>/ is hashed before and after each case; the
 planted symlinks point at such files), exits other than the expected one, and non-standard JSON (NaN, Infinity) in
-any .json or .jsonl file written. Each child runs under an 8 GiB address-space limit, so a missed size check fails
+any .json or .jsonl file a case wrote. Each child runs under an 8 GiB address-space limit, so a missed size check fails
 fast instead of swapping. Prints one line per case and a JSON summary; exits 1 when any count is not 0.
 """
 
@@ -163,8 +163,11 @@ def foreign(root: Path) -> None:
 
 
 def nested(root: Path) -> None:
-    """A second run's directory inside a finished run's, under a name that is not a checkpoint's."""
+    """A second run's directory inside a finished run's (under a name that is not a checkpoint's: those are refused),
+    and a directory of the user's there named like a checkpoint."""
     trained("outer")(root)
+    (root / "ck" / "outer" / "step_00000001").mkdir()
+    (root / "ck" / "outer" / "step_00000001" / "notes.txt").write_text("the user's\n")
     subprocess.run([sys.executable, str(REPO / "main.py"), *tiny("--max_windows", "5", "--checkpoint_dir", "ck/outer", run="inner")],
                    cwd=root, env=child_env({}), capture_output=True, check=True)
 
@@ -232,7 +235,7 @@ def cases() -> list[Case]:
                  setup=foreign),
             Case("pruning beside a nested run", ["--resume", "latest", "--checkpoint_dir", "ck", "--run_name", "outer",
                                                  "--max_windows", "20", "--save_every_windows", "2", "--keep_last", "1"], {0},
-                 setup=nested, check=intact("ck/outer/inner/step_00000005")),
+                 setup=nested, check=intact("ck/outer/inner/step_00000005", "ck/outer/step_00000001/notes.txt")),
             Case("a moved data file", ["--resume", "ck/mv/step_00000010", "--max_windows", "12", "--data", "data/moved.txt"], {0},
                  setup=lambda root: (trained("mv")(root), shutil.copy(root / "data" / "small.txt", root / "data" / "moved.txt"))),
             ]
@@ -295,12 +298,16 @@ def outside_runs(root: Path) -> dict[str, str]:
     return out
 
 
-def nonstandard_json(root: Path) -> list[str]:
-    """JSON files under ck/ that hold NaN or Infinity (which strict readers refuse)."""
+def json_files(root: Path) -> dict[Path, str]:
+    """sha256 of every .json and .jsonl file under ck/ (not links)."""
+    found = list(root.glob("ck/**/*.json")) + list(root.glob("ck/**/*.jsonl"))
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in found if p.is_file() and not p.is_symlink()}
+
+
+def nonstandard_json(root: Path, paths: list[Path]) -> list[str]:
+    """Those of `paths` that hold NaN or Infinity (which strict readers refuse)."""
     bad = []
-    for p in list(root.glob("ck/**/*.json")) + list(root.glob("ck/**/*.jsonl")):
-        if p.is_symlink() or not p.is_file() or p.parent.name == "odd":
-            continue
+    for p in paths:
         text = p.read_text(errors="replace")
         for line in text.splitlines() if p.suffix == ".jsonl" else [text]:
             try:
@@ -313,7 +320,7 @@ def nonstandard_json(root: Path) -> list[str]:
 
 def run_case(case: Case, root: Path, timeout: float) -> dict:
     case.setup(root)
-    before = outside_runs(root)
+    before, json_before = outside_runs(root), json_files(root)
     cmd = [sys.executable, str(REPO / "main.py"), *case.argv]
     err_path = root / "stderr.txt"
     with open(err_path, "w") as err:
@@ -335,13 +342,14 @@ def run_case(case: Case, root: Path, timeout: float) -> dict:
             rc, hung = proc.wait(), True
     text = err_path.read_text(errors="replace")
     err_path.unlink()
-    after = outside_runs(root)
+    after, json_after = outside_runs(root), json_files(root)
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    written = [p for p, h in json_after.items() if json_before.get(p) != h]  # by the run, not planted by a set-up
     problem = "" if hung else case.check(root)
     last = (text.strip().splitlines() or [""])[-1][:160]
     return {"case": case.name, "exit": rc, "expected": sorted(case.expect), "hang": hung, "traceback": "Traceback" in text,
             "changed_outside_runs": changed, "unexpected_exit": rc not in case.expect and not hung, "problem": problem,
-            "message": last}
+            "nonstandard_json": nonstandard_json(root, written), "message": last}
 
 
 def main() -> int:
@@ -361,8 +369,9 @@ def main() -> int:
         results.append(r)
         flags = [k for k in ("hang", "traceback", "unexpected_exit") if r[k]] + (["changed"] if r["changed_outside_runs"] else [])
         flags += [r["problem"]] if r["problem"] else []
+        flags += [f"non-standard JSON in {r['nonstandard_json']}"] if r["nonstandard_json"] else []
         print(f"{'FAIL' if flags else 'ok  '} {r['case']}: exit {r['exit']} {' '.join(flags)} | {r['message']}", flush=True)
-    bad_json = nonstandard_json(root)
+    bad_json = [p for r in results for p in r["nonstandard_json"]]
     counts = {"cases": len(results), "tracebacks": sum(r["traceback"] for r in results), "hangs": sum(r["hang"] for r in results),
               "files_changed_outside_runs": sum(len(r["changed_outside_runs"]) for r in results),
               "unexpected_exits": sum(r["unexpected_exit"] for r in results), "failed_checks": sum(bool(r["problem"]) for r in results),
