@@ -372,3 +372,9 @@ def test_a_config_that_is_no_regular_file_is_refused_without_reading_it(tmp_path
         os.mkfifo(path)
     assert main(["--config", str(path), "--checkpoint_dir", str(tmp_path / "ck")]) == 2
     assert f"config file {path} is not a regular file" in capsys.readouterr().err
+
+
+def test_evaluate_checks_sizes_before_building_the_machine(saved, capsys, monkeypatch):
+    monkeypatch.setattr(sizes, "available_bytes", lambda device: 2.0**20)  # 1 MiB free
+    assert main(["evaluate", "--checkpoint", str(saved)]) == 2
+    assert "the run would need about" in capsys.readouterr().err

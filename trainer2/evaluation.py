@@ -22,6 +22,7 @@ from trainer2.data import Dataset, heldout_batches, load_dataset
 from trainer2.machine import Machine, build_machine
 from trainer2.memory import MemoryBank
 from trainer2.relaxation import Relaxation
+from trainer2.sizes import check_sizes
 
 EVAL_BATCH = 512  # held-out examples per scoring batch
 
@@ -118,6 +119,7 @@ def load_trained(path: str | Path, overrides: dict[str, Any] | None = None, log:
     device = resolve_device(cfg)
     data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
     check_data(meta["data"], data_fingerprint(data), path)
+    check_sizes(cfg, data.num_classes, data.input_dim, data.kind == "text", data.num_examples("train"), 1, device)
     machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device)
     like = machine.readout.protos
     memory = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, like) if cfg.memory_capacity else None
