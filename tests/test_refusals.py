@@ -17,16 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from test_checkpoint import config, flags, run_dir, saved  # noqa: F401 (saved: a fixture)
-from trainer2 import checkpoint as ck
-from trainer2 import data as data_module
-from trainer2 import sizes
-from trainer2 import trainer as trainer_module
+
 from trainer2.cli import main
-from trainer2.gradients import ep_gradients
-from trainer2.health import LOSS_STREAK, UNIFORM_FACTOR, Diverged, Health
-from trainer2.trainer import Trainer
+from trainer2.io import data as data_module
+from trainer2.io import sizes
+from trainer2.learning.gradients import ep_gradients
+from trainer2.running import checkpoint as ck
+from trainer2.running import trainer as trainer_module
+from trainer2.running.health import LOSS_STREAK, UNIFORM_FACTOR, Diverged, Health
+from trainer2.running.trainer import Trainer
 
 
 def strict(text: str):
@@ -63,8 +63,16 @@ def test_a_non_finite_loss_is_a_divergence_at_once(loss):
 
 
 def test_a_non_finite_loss_stops_the_run_with_strict_json_everywhere(tmp_path, small_text, monkeypatch):
-    cfg = config(tmp_path, small_text, run_name="nanloss", max_windows=40, save_every_windows=4, keep_last=10,
-                 log_every_windows=5, eval_every_windows=0)
+    cfg = config(
+        tmp_path,
+        small_text,
+        run_name="nanloss",
+        max_windows=40,
+        save_every_windows=4,
+        keep_last=10,
+        log_every_windows=5,
+        eval_every_windows=0,
+    )
     tr = Trainer(cfg, log=lambda m: None)
     real = tr.sync_metrics
     calls = []
@@ -79,7 +87,9 @@ def test_a_non_finite_loss_stops_the_run_with_strict_json_everywhere(tmp_path, s
     monkeypatch.setattr(tr, "sync_metrics", poisoned)
     tr.history.append({"window": 0, "train_loss": math.nan})  # a NaN already in the history reaches meta.json
     rd = run_dir(tmp_path, "nanloss")
-    with pytest.raises(Diverged, match=f"between windows 11 and 15; the last checkpoint before it is {rd}/step_00000008"):
+    with pytest.raises(
+        Diverged, match=f"between windows 11 and 15; the last checkpoint before it is {rd}/step_00000008"
+    ):
         tr.train()
     summary = strict((rd / "summary.json").read_text())
     assert summary["diverged"] is True and summary["windows"] == 15
@@ -88,8 +98,18 @@ def test_a_non_finite_loss_stops_the_run_with_strict_json_everywhere(tmp_path, s
 
 
 def test_a_diverging_loss_exits_3(tmp_path, small_text, capsys):
-    argv = flags(tmp_path, small_text, run_name="mom", max_windows=2000, update_rule="momentum", eta_update=1.0,
-                 momentum=0.99, log_every_windows=10, eval_every_windows=0, lr_warmup_windows=0)
+    argv = flags(
+        tmp_path,
+        small_text,
+        run_name="mom",
+        max_windows=2000,
+        update_rule="momentum",
+        eta_update=1.0,
+        momentum=0.99,
+        log_every_windows=10,
+        eval_every_windows=0,
+        lr_warmup_windows=0,
+    )
     assert main(argv) == 3
     err = capsys.readouterr().err
     assert "the run diverged: the training loss" in err and "Traceback" not in err
@@ -99,12 +119,17 @@ def test_a_diverging_loss_exits_3(tmp_path, small_text, capsys):
 # --- 2. a run directory's contents are the run's own ---
 
 
-@pytest.mark.parametrize("flag, value, says", [
-    ("run_name", "step_00000001", "shaped like a checkpoint directory"),
-    ("run_name", ".lock", "not first"),
-    ("checkpoint_dir", "", "checkpoint_dir (from command line): must name a directory"),
-])
-def test_run_names_shaped_like_checkpoints_and_an_empty_checkpoint_dir_are_refused(tmp_path, small_text, capsys, flag, value, says):
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("run_name", "step_00000001", "shaped like a checkpoint directory"),
+        ("run_name", ".lock", "not first"),
+        ("checkpoint_dir", "", "checkpoint_dir (from command line): must name a directory"),
+    ],
+)
+def test_run_names_shaped_like_checkpoints_and_an_empty_checkpoint_dir_are_refused(
+    tmp_path, small_text, capsys, flag, value, says
+):
     argv = flags(tmp_path, small_text, max_windows=2) + [f"--{flag}", value]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -120,7 +145,10 @@ def test_pruning_removes_only_the_runs_own_checkpoints(tmp_path, small_text):
     (rd / ".run").write_text('{"run_id": "x"}')  # ...so the fresh run is refused: the directory is not new
     assert main(flags(tmp_path, small_text, run_name="own", max_windows=6, save_every_windows=2, keep_last=1)) == 2
     (rd / ".run").unlink()
-    Trainer(config(tmp_path, small_text, run_name="own", max_windows=6, save_every_windows=2, keep_last=1), log=lambda m: None).train()
+    Trainer(
+        config(tmp_path, small_text, run_name="own", max_windows=6, save_every_windows=2, keep_last=1),
+        log=lambda m: None,
+    ).train()
     assert [p.name for p in ck.list_checkpoints(rd)] == ["step_00000001", "step_00000006"]
     assert (other / "notes.txt").read_text() == "keep me"
 
@@ -155,18 +183,23 @@ def test_nothing_is_written_through_a_planted_symlink(tmp_path, small_text, caps
 # --- 3. validation before allocation ---
 
 
-@pytest.mark.parametrize("field, value, says", [
-    ("batch_size", 10**6, "batch_size: 1000000 x 1 process(es) is more than the"),
-    ("hidden_sizes", [2**19, 2**19], "hidden_sizes: the run would need about"),
-    ("memory_capacity", 2**30, "memory_capacity: the run would need about"),
-    ("rotor_k", 2**24, "rotor_k: the run would need about"),
-    ("nudge_steps", 10**6, "nudge_steps: the run would need about"),
-    ("coord_dim_n", 10**6, "coord_dim_n (from command line): Input should be less than or equal to 2048"),
-    ("tbptt_window_steps", 10**11, "tbptt_window_steps (from command line): Input should be less than or equal to"),
-    ("max_epochs", 1e308, "max_epochs (from command line): Input should be less than or equal to"),
-    ("embed_dim", 10**7, "embed_dim (from command line): Input should be less than or equal to"),
-])
-def test_sizes_that_cannot_fit_are_refused_before_allocation(tmp_path, small_text, capsys, monkeypatch, field, value, says):
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("batch_size", 10**6, "batch_size: 1000000 x 1 process(es) is more than the"),
+        ("hidden_sizes", [2**19, 2**19], "hidden_sizes: the run would need about"),
+        ("memory_capacity", 2**30, "memory_capacity: the run would need about"),
+        ("rotor_k", 2**24, "rotor_k: the run would need about"),
+        ("nudge_steps", 10**6, "nudge_steps: the run would need about"),
+        ("coord_dim_n", 10**6, "coord_dim_n (from command line): Input should be less than or equal to 2048"),
+        ("tbptt_window_steps", 10**11, "tbptt_window_steps (from command line): Input should be less than or equal to"),
+        ("max_epochs", 1e308, "max_epochs (from command line): Input should be less than or equal to"),
+        ("embed_dim", 10**7, "embed_dim (from command line): Input should be less than or equal to"),
+    ],
+)
+def test_sizes_that_cannot_fit_are_refused_before_allocation(
+    tmp_path, small_text, capsys, monkeypatch, field, value, says
+):
     monkeypatch.setattr(sizes, "available_bytes", lambda device: 0.5 * 2**30)  # the same answer on any machine
     monkeypatch.setattr(trainer_module, "build_machine", lambda *a: pytest.fail("allocated before the check"))
     kw = {"max_windows": 2, field: value}
@@ -204,7 +237,10 @@ def test_data_files_are_checked_before_they_are_read_to_the_end(tmp_path, capsys
         path, says = tmp_path / "zeros.txt", "holds NUL bytes"
         path.write_bytes(b"\0" * 100_000)
     elif kind == "lying npz":
-        path, says = make_npz(tmp_path / "lie.npz", (10**12, 4), b"\0" * 64), "its header says float32 (1000000000000, 4)"
+        path, says = (
+            make_npz(tmp_path / "lie.npz", (10**12, 4), b"\0" * 64),
+            "its header says float32 (1000000000000, 4)",
+        )
     else:  # 3 GiB of zeros compress to a few MB; the check reads only the zip directory and the header
         path, says = make_npz(tmp_path / "bomb.npz", (4, 4), b"\0" * 64), "once decompressed"
         real = zipfile.ZipFile.getinfo
@@ -236,16 +272,19 @@ def edit_meta(step: Path, edit) -> None:
     (step / ck.META_FILE).write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("edit, says", [
-    (lambda m: m["counters"].update(window=10**300), "counters.window"),
-    (lambda m: m["counters"].update(window=-5), "counters.window must be an integer >= 0, got -5"),
-    (lambda m: m["counters"].update(global_batch="x"), "counters.global_batch must be an integer >= 1, got 'x'"),
-    (lambda m: m["counters"].update(world_size=0), "counters.world_size"),
-    (lambda m: m["counters"].update(wall_seconds=1e400), "counters.wall_seconds must be a finite number"),
-    (lambda m: m.update(history=["a", 1]), "history[0] must be a JSON object"),
-    (lambda m: m.update(versions="x"), "'versions' must be a JSON object"),
-    (lambda m: m.update(run_id=[1]), "'run_id' must be a JSON string"),
-])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda m: m["counters"].update(window=10**300), "counters.window"),
+        (lambda m: m["counters"].update(window=-5), "counters.window must be an integer >= 0, got -5"),
+        (lambda m: m["counters"].update(global_batch="x"), "counters.global_batch must be an integer >= 1, got 'x'"),
+        (lambda m: m["counters"].update(world_size=0), "counters.world_size"),
+        (lambda m: m["counters"].update(wall_seconds=1e400), "counters.wall_seconds must be a finite number"),
+        (lambda m: m.update(history=["a", 1]), "history[0] must be a JSON object"),
+        (lambda m: m.update(versions="x"), "'versions' must be a JSON object"),
+        (lambda m: m.update(run_id=[1]), "'run_id' must be a JSON string"),
+    ],
+)
 def test_a_corrupt_sidecar_field_is_refused_before_training(saved, capsys, edit, says):
     edit_meta(saved, edit)
     assert main(["--resume", str(saved), "--max_windows", "12"]) == 2
@@ -260,16 +299,23 @@ def test_invalid_random_generator_bytes_are_refused(saved, capsys):
     tensors = load_file(str(saved / ck.TENSORS_FILE))
     tensors["rng.cpu"] = torch.zeros_like(tensors["rng.cpu"])
     save_file(tensors, str(saved / ck.TENSORS_FILE))
-    edit_meta(saved, lambda m: m["tensors"].update(bytes=(saved / ck.TENSORS_FILE).stat().st_size,
-                                                   sha256=ck._sha256(saved / ck.TENSORS_FILE)))
+    edit_meta(
+        saved,
+        lambda m: m["tensors"].update(
+            bytes=(saved / ck.TENSORS_FILE).stat().st_size, sha256=ck._sha256(saved / ck.TENSORS_FILE)
+        ),
+    )
     assert main(["--resume", str(saved), "--max_windows", "12"]) == 2
     assert "tensor 'rng.cpu' is no valid random-generator state" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("env, says", [
-    ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK, WORLD_SIZE and LOCAL_RANK must be integers"),
-    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "the process group cannot start"),  # no MASTER_ADDR
-])
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK, WORLD_SIZE and LOCAL_RANK must be integers"),
+        ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "the process group cannot start"),  # no MASTER_ADDR
+    ],
+)
 def test_bad_torchrun_environments_are_clear_errors(tmp_path, small_text, capsys, monkeypatch, env, says):
     for k in ("MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
@@ -284,15 +330,25 @@ def test_plot_skips_odd_telemetry_values(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     rd = tmp_path / "odd"
     rd.mkdir()
-    rows = [{"window": "x", "train_loss": 1.0}, {"window": 1, "train_loss": True}, {"window": 2, "train_loss": 1e308},
-            {"window": 3, "train_loss": [1]}, {"window": 4, "train_loss": 2.0, "lr": {"a": 1}}, {"window": None}]
-    (rd / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"window": 5, "train_loss": NaN}\n')
+    rows = [
+        {"window": "x", "train_loss": 1.0},
+        {"window": 1, "train_loss": True},
+        {"window": 2, "train_loss": 1e308},
+        {"window": 3, "train_loss": [1]},
+        {"window": 4, "train_loss": 2.0, "lr": {"a": 1}},
+        {"window": None},
+    ]
+    (rd / "telemetry.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows) + '{"window": 5, "train_loss": NaN}\n'
+    )
     assert main(["plot", str(rd)]) == 0
     assert "Traceback" not in capsys.readouterr().err
 
 
 def test_sampling_at_a_vanishing_temperature_is_greedy(saved, capsys):
-    assert main(["sample", "--checkpoint", str(saved), "--temperature", "1e-320", "--length", "8", "--prompt", "the"]) == 0
+    assert (
+        main(["sample", "--checkpoint", str(saved), "--temperature", "1e-320", "--length", "8", "--prompt", "the"]) == 0
+    )
     hot = capsys.readouterr().out
     assert main(["sample", "--checkpoint", str(saved), "--temperature", "0", "--length", "8", "--prompt", "the"]) == 0
     assert capsys.readouterr().out == hot
@@ -322,7 +378,9 @@ def test_sighup_and_sigquit_save_like_sigterm(tmp_path, small_text, sig):
             signal.raise_signal(getattr(signal, sig))
         return ep_gradients(relax, inputs, targets)
 
-    tr = Trainer(config(tmp_path, small_text, run_name="hup", max_windows=40), gradients=hangs_up_at_window_4, log=lambda m: None)
+    tr = Trainer(
+        config(tmp_path, small_text, run_name="hup", max_windows=40), gradients=hangs_up_at_window_4, log=lambda m: None
+    )
     summary = tr.train()
     assert summary["interrupted"] == sig and summary["windows"] == 4
     assert ck.find_latest(run_dir(tmp_path, "hup")).name == "step_00000004"
@@ -334,15 +392,35 @@ def test_a_moved_data_file_with_the_same_contents_resumes_with_a_note(tmp_path, 
     assert main(["--resume", str(saved), "--max_windows", "12", "--data", str(moved)]) == 0
     assert f"note: the data is read from {moved}, the checkpoint's from {small_text}" in capsys.readouterr().out
     moved.write_text(moved.read_text().replace("cat", "cow"))
-    assert main(["--resume", "latest", "--run_name", "r", "--checkpoint_dir", str(tmp_path / "ck"), "--max_windows", "14",
-                 "--data", str(moved)]) == 2
+    assert (
+        main(
+            [
+                "--resume",
+                "latest",
+                "--run_name",
+                "r",
+                "--checkpoint_dir",
+                str(tmp_path / "ck"),
+                "--max_windows",
+                "14",
+                "--data",
+                str(moved),
+            ]
+        )
+        == 2
+    )
     assert "the data differs from the checkpoint's" in capsys.readouterr().err
 
 
 def test_summary_json_is_written_when_stdout_is_gone(tmp_path, small_text):
     argv = flags(tmp_path, small_text, run_name="pipe", max_windows=6, log_every_windows=2)
-    proc = subprocess.Popen([sys.executable, "main.py", *argv], cwd=Path(__file__).resolve().parent.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "TQDM_DISABLE": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "main.py", *argv],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
     proc.stdout.close()  # the reader went away (`| head`): every write to stdout is a broken pipe
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 0, err

@@ -50,7 +50,9 @@ def config_layers(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     layers: list[tuple[str, dict[str, Any]]] = []
     for flag in ("preset", "config"):
         if getattr(args, flag) == "":
-            raise ConfigError(f"--{flag}: empty; expected " + ("a preset name or a YAML path" if flag == "preset" else "a YAML path"))
+            raise ConfigError(
+                f"--{flag}: empty; expected " + ("a preset name or a YAML path" if flag == "preset" else "a YAML path")
+            )
     if args.preset:
         path = preset_path(args.preset)
         layers.append((f"preset {path}", read_yaml(path)))
