@@ -2,7 +2,11 @@
 
 import sys
 
-from trainer2.cli import main
+try:
+    from trainer2.cli import main
+except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing started yet, so nothing to save
+    sys.stderr.write("trainer2: interrupted\n")
+    sys.exit(130)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -201,11 +201,21 @@ def test_pruning_keeps_exactly_keep_last(tmp_path, small_text):
     quiet(config(tmp_path, small_text, run_name="p", max_windows=14, save_every_windows=3, keep_last=2)).train()
     assert [p.name for p in ck.list_checkpoints(run_dir(tmp_path, "p"))] == ["step_00000012", "step_00000014"]
     rd = tmp_path / "manual"
-    for step in (1, 5, 10, 100, 7):
+    for step in (1, 5, 10, 100, 7, 3, 200):
         (rd / ck.step_name(step)).mkdir(parents=True)
-    removed = ck.prune(rd, 3)
+        if step not in (3, 200):  # 3: another run's; 200: no sidecar (a directory merely named like a checkpoint)
+            (rd / ck.step_name(step) / ck.META_FILE).write_text(
+                json.dumps({"run_id": "mine" if step != 3 else "theirs"})
+            )
+    removed = ck.prune(rd, 3, "mine")
     assert [p.name for p in removed] == ["step_00000001", "step_00000005"]
-    assert [p.name for p in ck.list_checkpoints(rd)] == ["step_00000007", "step_00000010", "step_00000100"]
+    assert [p.name for p in ck.list_checkpoints(rd)] == [
+        "step_00000003",
+        "step_00000007",
+        "step_00000010",
+        "step_00000100",
+        "step_00000200",
+    ]
 
 
 # --- refusals ---
@@ -291,19 +301,10 @@ def test_every_field_is_either_fixed_or_free_on_resume():
     fields = set(TrainConfig.model_fields)
     assert ck.RESUME_FREE_FIELDS <= fields
     assert set(ck.fixed_fields()) | ck.RESUME_FREE_FIELDS == fields
-    for f in (
-        "layers",
-        "free_steps",
-        "coord_dim_n",
-        "context_len",
-        "embed_dim",
-        "data",
-        "dtype",
-        "memory_capacity",
-        "seed",
-    ):
+    for f in ("layers", "free_steps", "coord_dim_n", "context_len", "embed_dim", "dtype", "memory_capacity", "seed"):
         assert f in ck.fixed_fields(), f
-    # batch_size is per process: the global batch (batch_size x world size) is checked instead (next test).
+    # batch_size is per process: the global batch (batch_size x world size) is checked instead (next test); data is a
+    # path: the contents are checked instead, by their fingerprint, so a moved file resumes.
     for f in (
         "max_windows",
         "max_epochs",
@@ -313,6 +314,7 @@ def test_every_field_is_either_fixed_or_free_on_resume():
         "use_cudagraphs",
         "keep_last",
         "batch_size",
+        "data",
     ):
         assert f in ck.RESUME_FREE_FIELDS, f
 

@@ -2,14 +2,14 @@
 
 Every TrainConfig field is a flag of the same name (trainer2.flags); subcommands evaluate, sample, plot and bench.
 Exit status: 0 done; 2 refused (a bad flag, config, data file or checkpoint; a run directory in use or holding
-another run); 3 the run diverged; 74 a file could not be written (disk full, read-only); 130 / 143 stopped by
-SIGINT / SIGTERM after saving a checkpoint (the last line printed says how to resume).
+another run; sizes that cannot fit); 3 the run diverged; 74 a file could not be written (disk full, read-only, a
+planted symlink); 129 / 130 / 131 / 143 stopped by SIGHUP / SIGINT / SIGQUIT / SIGTERM after saving a checkpoint
+(the last line printed says how to resume).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -19,13 +19,17 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
 from trainer2.flags import add_config_flags, config_layers, none_or
+from trainer2.io import strictjson
+from trainer2.io.console import say
 from trainer2.io.data import DataError
 from trainer2.io.plot import cmd_plot
 from trainer2.io.tensorboard import check_tracking
 from trainer2.running.checkpoint import CheckpointError, read_meta
-from trainer2.running.distributed import DistributedError, init_distributed, rank_label
+from trainer2.running.distributed import Distributed, DistributedError, init_distributed, rank_label
 from trainer2.running.health import Diverged
 from trainer2.running.resume import fresh_layers, fresh_run_guard, resume_config, resume_layers, resume_target
 from trainer2.running.rundir import RunDirError, RunLock, remove_orphans
@@ -79,6 +83,10 @@ def print_config(args: argparse.Namespace) -> int:
 
 def cmd_train(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
+    if args.resume == "":
+        raise ConfigError(
+            "--resume: empty; expected 'latest' or a step_<N>/ checkpoint directory (drop --resume to start afresh)"
+        )
     if args.print_config:
         return print_config(args)
     from trainer2.running.trainer import Trainer
@@ -89,18 +97,20 @@ def cmd_train(argv: list[str]) -> int:
     else:
         cfg = build_config(fresh_layers(layers, preset_path(args.preset).stem if args.preset else "run"))
         run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
-    writer = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes, so only it owns the directory
+    writer = Distributed.from_env(
+        os.environ
+    ).is_main  # under torchrun only rank 0 writes, so only it owns the directory
     with RunLock(run_dir) if writer else nullcontext():  # held until the run ends: a second run here is refused
         if args.resume:
             cfg, path = resume_config(args.resume, layers, run_dir)
         elif writer:
             fresh_run_guard(run_dir)
         if writer:
-            remove_orphans(run_dir, print)
+            remove_orphans(run_dir, say)
         check_tracking(cfg)
         dist = init_distributed(cfg)  # under torchrun: this process's rank and its process group
         try:
-            trainer = Trainer(cfg, log=print if dist.is_main else quiet, dist=dist)
+            trainer = Trainer(cfg, log=say if dist.is_main else quiet, dist=dist)
             if args.resume:
                 trainer.load_checkpoint(path)
             summary = trainer.train()
@@ -118,7 +128,7 @@ def cmd_train(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return exit_code(signal.Signals[summary["interrupted"]])
-    print(done_line(summary))
+    say(done_line(summary))
     return 0
 
 
@@ -188,7 +198,7 @@ def cmd_evaluate(argv: list[str]) -> int:
 
     trained = load_trained(path, args)
     out = {"checkpoint": str(path), "window": trained.window, **trained.evaluate()}
-    print(json.dumps(out, indent=2))
+    print(strictjson.dumps(out, indent=2))
     return 0
 
 
@@ -233,6 +243,19 @@ def main(argv: list[str] | None = None) -> int:
             f"trainer2: error: {e.filename}: {e.strerror}" if e.filename else f"trainer2: error: {e}", file=sys.stderr
         )
         return EXIT_IOERR
+    except (MemoryError, RuntimeError) as e:  # an allocation trainer2.io.sizes' estimate did not foresee
+        if (
+            isinstance(e, RuntimeError)
+            and not isinstance(e, torch.OutOfMemoryError)
+            and "can't allocate memory" not in str(e)
+        ):
+            raise
+        print(
+            f"trainer2: error: out of memory ({' '.join(str(e).split())[:300] or 'MemoryError'}); lower batch_size, "
+            "layers, memory_capacity or the data's size",
+            file=sys.stderr,
+        )
+        return EXIT_REFUSED
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops gracefully): nothing half-written
         print("trainer2: interrupted", file=sys.stderr)
         return exit_code(signal.SIGINT)

@@ -7,8 +7,10 @@ The presets ship inside the package as `trainer2.configs` (built from the top-le
 from __future__ import annotations
 
 import importlib.resources
+import math
 import re
 import reprlib
+import stat
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,6 +24,7 @@ MAX_YAML_BYTES = 1 << 20  # a config is a few hundred bytes; the cap bounds what
 MAX_REPR = 200  # characters of an offending value an error message shows
 MAX_ERRORS = 10  # validation errors listed per message
 MAX_LR = 1.0  # largest learning rate of any parameter group (see _numerics)
+MAX_WIDTH, MAX_DEPTH = 2**20, 1024  # hidden layers: sane bounds; what fits in memory is trainer2.io.sizes' to say
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -53,6 +56,22 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+def _unique_keys(loader: _ConfigLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    """A mapping whose keys are unique: `lr: 1` twice in one file is a mistake, not "the last one wins"."""
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+        except TypeError:
+            continue  # an unhashable key: the constructor below refuses it
+        if duplicate:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {short_repr(key)}", key_node.start_mark)
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:map", lambda loader, node: _unique_keys(loader, node))
 _ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
 )
@@ -91,8 +110,8 @@ class TrainConfig(BaseModel):
 
     # --- data ---
     data: str | None = Field(None, description="UTF-8 text file or .npz feature set; none = built-in pydoc corpus.")
-    context_len: int = Field(8, ge=1, description="Characters of context per example (text data).")
-    embed_dim: int = Field(16, ge=1, description="Embedding size per context character (text data).")
+    context_len: int = Field(8, ge=1, le=2**16, description="Characters of context per example (text data).")
+    embed_dim: int = Field(16, ge=1, le=2**16, description="Embedding size per context character (text data).")
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of the data, by position, held out.")
 
     # --- machine ---
@@ -103,8 +122,8 @@ class TrainConfig(BaseModel):
         "kind of coupling that drives it from below: [{dense: 256}] is one dense layer of 256 units (on the command "
         "line: --layers dense:256). --hidden_sizes 256 128 is shorthand for dense layers of those sizes.",
     )
-    coord_dim_n: int = Field(16, ge=2, description="Dimension n of the output coordinates q.")
-    rotor_k: int = Field(32, ge=0, description="Number of Givens rotations in the readout's rotor frame.")
+    coord_dim_n: int = Field(16, ge=2, le=2048, description="Dimension n of the output coordinates q.")
+    rotor_k: int = Field(32, ge=0, le=2**24, description="Number of Givens rotations in the readout's rotor frame.")
     retrieval_beta: float = Field(
         1.0, gt=0.0, description="Inverse temperature of retrieval: p = softmax(-beta * cost)."
     )
@@ -124,13 +143,15 @@ class TrainConfig(BaseModel):
         "each coupling between state layers is capped at kappa / (2 cos(pi/(M+2))) "
         "for M hidden layers (kappa itself for one).",
     )
-    memory_capacity: int = Field(0, ge=0, description="Slots of the memory bank of recent equilibria; 0 = off.")
+    memory_capacity: int = Field(
+        0, ge=0, le=2**31, description="Slots of the memory bank of recent equilibria; 0 = off."
+    )
 
     # --- dynamics ---
     free_steps: int = Field(
-        64, ge=1, description="Free-phase relaxation steps per window (formerly tbptt_window_steps)."
+        64, ge=1, le=10**6, description="Free-phase relaxation steps per window (formerly tbptt_window_steps)."
     )
-    nudge_steps: int = Field(16, ge=1, description="Steps of each nudged phase.")
+    nudge_steps: int = Field(16, ge=1, le=10**6, description="Steps of each nudged phase.")
     beta_nudge: float = Field(0.003, gt=0.0, description="Nudging strength beta.")
     symmetric_nudge: bool = Field(
         True, description="Nudge with +beta and -beta (bias O(beta^2)) instead of +beta only."
@@ -162,6 +183,7 @@ class TrainConfig(BaseModel):
     batch_size: int = Field(
         64,
         ge=1,
+        le=2**24,
         description="Examples per window and process (under torchrun the global batch is batch_size x world size); "
         "follows capture_batch_size when only that is given.",
     )
@@ -172,7 +194,7 @@ class TrainConfig(BaseModel):
         None, ge=1, description="Batch size the CUDA graph is captured at; must equal batch_size."
     )
     use_cudagraphs: bool = Field(False, description="Capture the batch step as a CUDA graph and replay it (CUDA only).")
-    warmup_steps: int = Field(3, ge=0, description="Eager windows on a side stream before graph capture.")
+    warmup_steps: int = Field(3, ge=0, le=10**4, description="Eager windows on a side stream before graph capture.")
     use_torch_compile: bool = Field(False, description="Compile the batch step with torch.compile.")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
         "default",
@@ -184,9 +206,11 @@ class TrainConfig(BaseModel):
     allow_tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere and newer GPUs.")
 
     # --- loop, logging, evaluation, checkpoints ---
-    max_windows: int | None = Field(2000, ge=1, description="Stop after this many windows (batches); none = no limit.")
+    max_windows: int | None = Field(
+        2000, ge=1, le=10**15, description="Stop after this many windows (batches); none = no limit."
+    )
     max_epochs: float | None = Field(
-        None, gt=0.0, description="Stop after this many passes over the training data; none = no limit."
+        None, gt=0.0, le=1e9, description="Stop after this many passes over the training data; none = no limit."
     )
     log_every_windows: int = Field(50, ge=1, description="Windows between metric syncs (progress bar and telemetry).")
     eval_every_windows: int = Field(500, ge=0, description="Windows between held-out evaluations; 0 = only at the end.")
@@ -232,6 +256,8 @@ class TrainConfig(BaseModel):
     @field_validator("layers")
     @classmethod
     def _layers(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if len(v) > MAX_DEPTH:
+            raise ValueError(f"at most {MAX_DEPTH} hidden layers, got {len(v)}")
         for i, entry in enumerate(v):
             if len(entry) != 1 or next(iter(entry)) not in KINDS:
                 raise ValueError(
@@ -240,16 +266,27 @@ class TrainConfig(BaseModel):
                 )
             ((kind, spec),) = entry.items()
             try:
-                KINDS[kind].spec_size(spec)
+                size = math.prod(KINDS[kind].spec_size(spec))
             except ValueError as e:
                 raise ValueError(f"layer {i} ({kind}): {e}") from None
+            if size > MAX_WIDTH:
+                raise ValueError(f"layer {i} ({kind}): at most {MAX_WIDTH} units a layer, got {size}")
         return v
 
     @field_validator("run_name")
     @classmethod
     def _run_name(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v) or v in (".", ".."):
-            raise ValueError(f"expected letters, digits, '_', '-' or '.', got {short_repr(v)}")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v) or v.startswith("."):
+            raise ValueError(f"expected letters, digits, '_', '-' or '.' (not first), got {short_repr(v)}")
+        if re.fullmatch(r"step_\d+", v):  # a run directory named like a checkpoint would be taken for one
+            raise ValueError(f"{short_repr(v)} is shaped like a checkpoint directory (step_<N>); pick another name")
+        return v
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _checkpoint_dir(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must name a directory (use '.' for the current one)")
         return v
 
     @model_validator(mode="after")
@@ -379,6 +416,10 @@ def read_yaml(path: Path | Traversable) -> dict[str, Any]:
         if path.is_dir():
             raise ConfigError(f"config file {path} is a directory; expected a YAML file of field: value lines")
         if isinstance(path, Path):
+            if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block the read forever, /dev/zero never end
+                raise ConfigError(
+                    f"config file {path} is not a regular file (a pipe, socket or device); expected a YAML file"
+                )
             size = path.stat().st_size
             if size > MAX_YAML_BYTES:
                 raise ConfigError(
@@ -456,10 +497,10 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> TrainConfig:
             top = str(err["loc"][0]) if err["loc"] else field
             where = f" (from {origin[top]})" if top in origin else ""
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(
-                f"{field}{where}: {msg}"
-                + (f" (got {short_repr(err['input'])})" if field != "config" and "input" in err else "")
-            )
+            shown = (
+                "input" not in err or field == "config" or short_repr(err["input"]) in msg
+            )  # the message names it already
+            lines.append(f"{field}{where}: {msg}" + ("" if shown else f" (got {short_repr(err['input'])})"))
         if e.error_count() > MAX_ERRORS:
             lines.append(f"... and {e.error_count() - MAX_ERRORS} more")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None

@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from trainer2.config import TrainConfig, accepted_keys, build_config, preset_path, read_yaml
+from trainer2.config import ConfigError, TrainConfig, accepted_keys, build_config, preset_path, read_yaml
 
 
 def none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -73,6 +73,11 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 def config_layers(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """(source, values) layers from --preset, --config and flags, lowest first."""
     layers: list[tuple[str, dict[str, Any]]] = []
+    for flag in ("preset", "config"):
+        if getattr(args, flag) == "":
+            raise ConfigError(
+                f"--{flag}: empty; expected " + ("a preset name or a YAML path" if flag == "preset" else "a YAML path")
+            )
     if args.preset:
         path = preset_path(args.preset)
         layers.append((f"preset {path}", read_yaml(path)))

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import codecs
+import os
 import pickle
+import stat
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from trainer2.io.sizes import available_bytes
 
 BUILTIN_SOURCE = "builtin:pydoc_data.topics"
 SPLITS = ("train", "heldout")
@@ -97,7 +100,7 @@ def load_dataset(path: str | None, context_len: int, heldout_fraction: float = 0
         return _text_dataset(lambda: iter([text]), BUILTIN_SOURCE, context_len, heldout_fraction)
     if path.endswith(".npz"):
         return _feature_dataset(path, heldout_fraction)
-    _check_file(path, "a UTF-8 text file or a .npz feature file")
+    _sniff_text(path, _check_file(path, "a UTF-8 text file or a .npz feature file"))
     return _text_dataset(lambda: _read_text_chunks(path), path, context_len, heldout_fraction)
 
 
@@ -108,13 +111,42 @@ def _builtin_text() -> str:
     return "\n".join(topics[key] for key in sorted(topics))
 
 
-def _check_file(path: str, expected: str) -> None:
-    """A missing path or a directory becomes a DataError naming the path and what was `expected`."""
-    p = Path(path)
-    if not p.exists():
-        raise DataError(f"{path}: file does not exist; expected {expected}")
-    if p.is_dir():
+def _check_file(path: str, expected: str) -> int:
+    """The size in bytes of a regular file; a missing path, a directory, or anything that is no regular file (a
+    FIFO or a device such as /dev/zero, which would block or never end) is a DataError naming the path."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file does not exist; expected {expected}") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read file ({e.strerror}); expected {expected}") from None
+    if stat.S_ISDIR(st.st_mode):
         raise DataError(f"{path}: is a directory; expected {expected}")
+    if not stat.S_ISREG(st.st_mode):
+        raise DataError(f"{path}: is not a regular file (a pipe, socket or device); expected {expected}")
+    return st.st_size
+
+
+def _sniff_text(path: str, size: int) -> None:
+    """Refuse before reading it all a text file that is larger than the memory free for its tokens, or that holds
+    NUL bytes in its first chunk (a binary file, or a file of zeros, would train as a meaningless corpus)."""
+    free = available_bytes(torch.device("cpu"))
+    if free is not None and size > free:  # one token of >= 1 byte per character, at most one character per byte
+        raise DataError(
+            f"{path}: {size / 2**30:.1f} GiB of text would need about as much memory for its tokens, but "
+            f"{free / 2**30:.1f} GiB is free; use a smaller file"
+        )
+    try:
+        with open(path, "rb") as f:
+            head = f.read(TEXT_CHUNK)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read file ({e.strerror})") from None
+    nul = head.find(b"\0")
+    if nul >= 0:
+        raise DataError(
+            f"{path}: holds NUL bytes (the first at offset {nul}): a binary file, not text; expected a UTF-8 "
+            "text file or a .npz feature file"
+        )
 
 
 def _read_text_chunks(path: str) -> Iterator[str]:
@@ -234,11 +266,65 @@ def _feature_dataset(path: str, heldout_fraction: float) -> Dataset:
     )
 
 
+def _check_npz_sizes(path: str) -> None:
+    """Refuse, from the zip directory and the .npy headers alone, an .npz whose arrays would not fit in memory (a
+    few hundred compressed bytes can expand into gigabytes) or whose header's shape does not match its size."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            need, shapes = 0.0, {}  # bytes once loaded; each array's shape as its header says
+            for key in ("x", "y"):
+                if f"{key}.npy" not in z.namelist():
+                    continue  # the loader below names a missing array
+                info = z.getinfo(f"{key}.npy")
+                with z.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    read = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, _, dtype = read(f)
+                    header = f.tell()
+                shapes[key] = tuple(shape)
+                held = int(np.prod(shape, dtype=object)) * dtype.itemsize
+                if dtype.hasobject:
+                    raise DataError(
+                        f"{path}: array {key!r} holds Python objects (pickled), which are never loaded; "
+                        "expected numbers saved with numpy.savez"
+                    )
+                if held != info.file_size - header:
+                    raise DataError(
+                        f"{path}: array {key!r}: its header says {dtype} {tuple(shape)} ({held} bytes), but it "
+                        f"holds {info.file_size - header} bytes; the file is corrupt"
+                    )
+                need += held + int(np.prod(shape, dtype=object)) * 8  # the array, and its float32 / int64 copy
+        rows = [shapes[k][0] if shapes[k] else None for k in ("x", "y") if k in shapes]
+        if len(rows) == 2 and rows[0] != rows[1]:
+            raise DataError(
+                f"{path}: x and y must have the same number of rows, found {rows[0]} and {rows[1]} (in their headers)"
+            )
+    except zipfile.BadZipFile:
+        return  # not a zip archive: the loader below says what it is
+    except DataError:
+        raise
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(
+            f"{path}: cannot load as .npz ({e}); expected arrays 'x' and 'y' saved with numpy.savez"
+        ) from None
+    free = available_bytes(torch.device("cpu"))
+    if free is not None and need > free:
+        raise DataError(
+            f"{path}: its arrays would take about {need / 2**30:.1f} GiB once decompressed, but "
+            f"{free / 2**30:.1f} GiB is free; use a smaller file"
+        )
+
+
 def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Validated (x [N, D] float or int, y [N] int >= 0) from an .npz.
 
     Every problem becomes a DataError naming the path."""
     _check_file(path, "an .npz feature file with arrays 'x' and 'y'")
+    _check_npz_sizes(path)
     try:
         archive = np.load(path, allow_pickle=False, mmap_mode="r")  # mmap: a big .npy is refused without reading it
         if not isinstance(archive, np.lib.npyio.NpzFile):  # e.g. a single .npy array renamed .npz

@@ -34,9 +34,14 @@ def figure_class() -> type:
     return Figure
 
 
+def number(v: Any) -> bool:
+    """Whether v can be plotted: a finite int or float within a float's range, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300
+
+
 def series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     """(windows, values) of the rows that carry a finite number under `key`."""
-    pts = [(r["window"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and "window" in r]
+    pts = [(r["window"], r[key]) for r in rows if number(r.get(key)) and number(r.get("window"))]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from trainer2.config import TrainConfig, to_yaml
 from trainer2.io.profiling import PhaseTimer, WindowProfiler, timing_table
+from trainer2.io.safeio import link_refused, nofollow_open, write_replace
 from trainer2.io.tensorboard import TensorBoardLog
 from trainer2.physics.relaxation import Relaxation
 
@@ -43,10 +44,10 @@ class Telemetry:
 
     def __init__(self, run_dir: Path, cfg: TrainConfig, resume_window: int | None = None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / CONFIG_FILE).write_text(to_yaml(cfg), encoding="utf-8")
+        write_replace(run_dir / CONFIG_FILE, to_yaml(cfg).encode("utf-8"))
         self.path = run_dir / TELEMETRY_FILE
         trim(self.path, resume_window)
-        self.file = open(self.path, "ab", buffering=0)
+        self.file = open(self.path, "ab", buffering=0, opener=nofollow_open)
 
     def write(self, row: dict[str, Any]) -> None:
         data = (json.dumps({k: _finite(v) for k, v in row.items()}, allow_nan=False) + "\n").encode()
@@ -66,6 +67,8 @@ def trim(path: Path, resume_window: int | None) -> int:
     """Cut a telemetry file back before appending: drop a torn last line, and on resume at `resume_window` the
     rows past it (a killed run logged them after its last checkpoint; the resumed run logs them again).
     Returns the bytes cut."""
+    if path.is_symlink():
+        raise link_refused(path)
     if not path.is_file():
         return 0
     data = path.read_bytes()
@@ -83,7 +86,7 @@ def trim(path: Path, resume_window: int | None) -> int:
                 break
             pos = end
     if keep < len(data):
-        with open(path, "r+b") as f:
+        with open(path, "r+b", opener=nofollow_open) as f:
             f.truncate(keep)
             os.fsync(f.fileno())
     return len(data) - keep

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -23,7 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from trainer2.config import TrainConfig, upgrade_legacy
+from trainer2.config import TrainConfig, short_repr, upgrade_legacy
+from trainer2.io import strictjson
 
 if TYPE_CHECKING:
     from trainer2.io.data import Dataset
@@ -67,6 +69,9 @@ RESUME_FREE_FIELDS = frozenset(
         "dist_timeout_seconds",
         # per process: the global batch (batch_size x world size) is what must match, checked by Trainer.load_checkpoint
         "batch_size",
+        # the data file's path: its contents must match, checked by their fingerprint (check_data), so a moved file
+        # resumes
+        "data",
     }
 )
 
@@ -144,6 +149,8 @@ def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, A
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / step_name(step)
     tmp = run_dir / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
+    if tmp.is_symlink():  # never followed: the link goes, not what it points to
+        tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -163,7 +170,7 @@ def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, A
             },
         }
         with open(tmp / META_FILE, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
+            f.write(strictjson.dumps(meta, indent=1))  # a diverged run's history holds NaN: null, not NaN
             f.flush()
             os.fsync(f.fileno())
         _fsync(tmp)
@@ -181,9 +188,20 @@ def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, A
     return target
 
 
-def prune(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest keep_last complete checkpoints; returns what was removed."""
-    old = list_checkpoints(run_dir)[:-keep_last]
+def recorded_run(path: Path) -> str | None:
+    """The run id a checkpoint's sidecar records (None: unreadable, or written before runs had ids)."""
+    try:
+        rid = json.loads((path / META_FILE).read_text(encoding="utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) else None
+
+
+def prune(run_dir: Path, keep_last: int, run_id: str) -> list[Path]:
+    """Delete all but the newest keep_last of the run's own checkpoints: those whose sidecar records `run_id`. A
+    directory merely named like a checkpoint (another run's, a link) is never removed. Returns what was removed."""
+    own = [p for p in list_checkpoints(run_dir) if not p.is_symlink() and recorded_run(p) == run_id]
+    old = own[:-keep_last]
     for path in old:
         shutil.rmtree(path)
     return old
@@ -219,6 +237,7 @@ def read_meta(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{file}: {key!r} must be a JSON {kind.__name__}, got {type(meta[key]).__name__}")
     if not isinstance(meta["tensors"].get("bytes"), int) or not isinstance(meta["tensors"].get("sha256"), str):
         raise CheckpointError(f"{file}: 'tensors' must record the tensor file's 'bytes' and 'sha256'")
+    check_fields(meta, file)
     named = STEP_RE.fullmatch(path.name)
     if named and int(named.group(1)) != meta["step"]:
         raise CheckpointError(
@@ -226,6 +245,54 @@ def read_meta(path: Path) -> dict[str, Any]:
             "was it renamed or copied over?"
         )
     return meta
+
+
+def _count(v: Any, least: int) -> bool:
+    """Whether v is a JSON integer >= least (not a bool, not a float)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def check_fields(meta: dict[str, Any], file: Path) -> None:
+    """The sidecar's fields that the trainer reads as numbers, rows or names must be of those types (a hand-edited or
+    corrupt one is refused here, not with a traceback later, nor after training has finished)."""
+    c = meta["counters"]
+    bad = [
+        f"counters.{k} must be an integer >= {least}, got {short_repr(c.get(k))}"
+        for k, least, needed in (
+            ("window", 0, True),
+            ("examples", 0, True),
+            ("sampler_epoch", 0, False),
+            ("sampler_pos", 0, False),
+            ("global_batch", 1, False),
+            ("world_size", 1, False),
+        )
+        if (needed or k in c) and not _count(c.get(k), least)
+    ]
+    wall = c.get("wall_seconds")
+    if not (isinstance(wall, (int, float)) and not isinstance(wall, bool) and math.isfinite(wall) and wall >= 0):
+        bad.append(f"counters.wall_seconds must be a finite number >= 0, got {short_repr(wall)}")
+    if not _count(meta["step"], 0) or (_count(c.get("window"), 0) and c["window"] != meta["step"]):
+        bad.append(f"step must equal counters.window, got {short_repr(meta['step'])} and {short_repr(c.get('window'))}")
+    rows = [i for i, r in enumerate(meta["history"]) if not isinstance(r, dict)]
+    if rows:
+        bad.append(
+            f"history[{rows[0]}] must be a JSON object (a logged row), got {short_repr(meta['history'][rows[0]])}"
+        )
+    for key, kind in (("versions", dict), ("run_id", str), ("saved_at", str)):
+        if key in meta and not isinstance(meta[key], kind):
+            bad.append(f"{key!r} must be a JSON {'object' if kind is dict else 'string'}, got {short_repr(meta[key])}")
+    if bad:
+        raise CheckpointError(f"{file}: " + "; ".join(bad) + "; the sidecar is corrupt or was edited")
+
+
+def check_generators(loaded: dict[str, Tensor], file: Path) -> None:
+    """Refuse random-generator states (of torch and the sampler) that torch cannot take back, before any is set."""
+    for key in ("rng.cpu", "sampler.generator"):
+        if key in loaded:
+            try:
+                torch.Generator().set_state(loaded[key].to(torch.uint8))
+            except RuntimeError as e:
+                raise CheckpointError(f"{file}: tensor {key!r} is no valid random-generator state ({e})") from None
 
 
 def load_tensors(path: Path, meta: dict[str, Any]) -> dict[str, Tensor]:
@@ -307,7 +374,7 @@ def check_data(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
             what = "vocabulary" if key == "vocab" else key
             raise CheckpointError(
                 f"checkpoint {path}: the data differs from the checkpoint's ({what}: checkpoint "
-                f"{saved.get(key)!r}, now {now[key]!r}; source {now['source']})"
+                f"{short_repr(saved.get(key))}, now {short_repr(now[key])}; source {now['source']})"
             )
 
 
@@ -350,6 +417,7 @@ def load_checked(
         loaded = {k: v for k, v in loaded.items() if k.startswith(only)}
     check_tensors(loaded, live, path / TENSORS_FILE, optional=optional)
     check_counters(meta, path)
+    check_generators(loaded, path / TENSORS_FILE)
     return loaded, meta
 
 

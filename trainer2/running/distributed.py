@@ -150,12 +150,19 @@ def init_distributed(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> 
     device = d.place(resolve_device(cfg), cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        rank=d.rank,
-        world_size=d.world_size,
-        timeout=timedelta(seconds=cfg.dist_timeout_seconds),
-    )
+    try:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            rank=d.rank,
+            world_size=d.world_size,
+            timeout=timedelta(seconds=cfg.dist_timeout_seconds),
+        )
+    except (ValueError, RuntimeError) as e:  # e.g. no MASTER_ADDR / MASTER_PORT: not started by torchrun
+        text = " ".join(str(e).split())[:300]
+        raise ConfigError(
+            f"environment: the process group cannot start ({text}); start multi-process runs with "
+            "torchrun, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+        ) from None
     return d
 
 

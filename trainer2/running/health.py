@@ -15,6 +15,11 @@ from trainer2.running import checkpoint as ck
 UNSETTLED_FACTOR = 100.0
 # Updates dropped in a row (non-finite gradients) that mean learning has stopped; healthy runs drop none.
 DROPPED_STREAK = 50
+# Windows in a row whose training loss stays above UNIFORM_FACTOR x the uniform-prediction loss ln(V) that mean the run
+# has diverged: a fresh machine starts near ln(V) (prototypes close together) and a learning one only goes below it
+# (dev preset, momentum 0.99 at lr 1: 4.3 nats at first, then 5.4-8.4 from window 80 on, against ln(103) = 4.6).
+LOSS_STREAK = 200
+UNIFORM_FACTOR = 1.1
 
 
 class Diverged(RuntimeError):
@@ -27,16 +32,30 @@ class Health:
 
     eps: float
     log: Callable[[str], None]
+    uniform_loss: float = math.inf  # ln(V) nats: the loss of predicting every one of V classes alike
     dropped_from: int | None = None  # first window of the current run of dropped updates
+    above_from: int | None = None  # first window of the current run of log rows with the loss above the bound
     warned: bool = False
 
     def diverged(self, row: dict[str, Any], since: int) -> tuple[str, int] | None:
         """None, or (what happened, the last window whose checkpoint is still good): a parameter became
-        non-finite, or every update was dropped for DROPPED_STREAK windows in a row."""
-        w = row["window"]
+        non-finite, every update was dropped for DROPPED_STREAK windows in a row, the training loss became
+        non-finite, or it stayed above UNIFORM_FACTOR x ln(V) for LOSS_STREAK windows in a row."""
+        w, loss = row["window"], row["train_loss"]
         self.dropped_from = (self.dropped_from or since + 1) if row["dropped"] >= 1.0 else None
+        bound = UNIFORM_FACTOR * self.uniform_loss
+        self.above_from = (self.above_from or since + 1) if not loss <= bound else None  # NaN counts as above
         if row["nonfinite_params"]:
             return nonfinite(since, w), w  # every saved checkpoint was checked finite
+        if not math.isfinite(loss):
+            return f"the training loss became non-finite ({loss}) between windows {since + 1} and {w}", since
+        if self.above_from is not None and w - self.above_from + 1 >= LOSS_STREAK:
+            return (
+                f"the training loss stayed above {bound:.3g} nats "
+                f"({UNIFORM_FACTOR:g} x ln({math.exp(self.uniform_loss):.0f}), "
+                f"the loss of a uniform prediction) from window {self.above_from} to {w}, at {loss:.3g} last",
+                self.above_from - 1,
+            )
         if self.dropped_from is not None and w - self.dropped_from + 1 >= DROPPED_STREAK:
             return (
                 f"every update from window {self.dropped_from} to {w} was dropped (non-finite gradients: learning "

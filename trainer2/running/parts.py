@@ -12,6 +12,7 @@ import torch
 
 from trainer2.config import ConfigError, TrainConfig
 from trainer2.io.data import Dataset, load_dataset
+from trainer2.io.sizes import check_sizes
 from trainer2.physics.machine import Machine, build_machine
 from trainer2.physics.memory import MemoryBank
 
@@ -40,12 +41,15 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
 
 
 def build_parts(
-    cfg: TrainConfig, device: torch.device, data: Dataset | None = None, batch: int | None = None
+    cfg: TrainConfig, device: torch.device, data: Dataset | None = None, batch: int | None = None, world: int = 1
 ) -> RunParts:
-    """Load the data (unless given) and build a fresh machine on `device` and its memory bank for `batch` rows per
-    write (cfg.batch_size unless given); the same config and seed always give the same parts."""
+    """Load the data (unless given), check that what the config implies fits the data and the memory of `device` (for
+    `world` processes), then build a fresh machine on it and its memory bank for `batch` rows per write
+    (cfg.batch_size unless given); the same config and seed always give the same parts."""
     data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction) if data is None else data
-    machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device)
+    text = data.kind == "text"
+    check_sizes(cfg, data.num_classes, data.input_dim, text, data.num_examples("train"), world, device)
+    machine = build_machine(cfg, data.num_classes, data.input_dim, text, device)
     rows = cfg.batch_size if batch is None else batch
     memory = (
         MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, rows, machine.readout.protos)

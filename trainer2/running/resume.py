@@ -23,7 +23,7 @@ from trainer2.running.checkpoint import (
     resolve_checkpoint,
     step_of,
 )
-from trainer2.running.rundir import RunDirError, fresh_name, newest_run, run_files
+from trainer2.running.rundir import RUN_FILES, RunDirError, fresh_name, newest_run, owner, run_files
 
 Layers = list[tuple[str, dict[str, Any]]]
 LOCATION = ("checkpoint_dir", "run_name")
@@ -55,6 +55,19 @@ def fresh_run_guard(run_dir: Path) -> None:
             f"run {run_dir.name!r} already has {what} ({', '.join(found[-4:])} in {run_dir}): pass --resume latest "
             f"--run_name {run_dir.name} to continue it, pick a new --run_name (or none: a fresh name is chosen), "
             f"or delete {run_dir}"
+        )
+
+
+def check_owner(run_dir: Path, meta: dict[str, Any], path: Path) -> None:
+    """Refuse to resume checkpoint `path` in its own directory when that directory's files belong to another run: its
+    .run records another id, or it has none and holds run files beside a checkpoint that has one (copied in)."""
+    rid, mine = meta.get("run_id"), owner(run_dir)
+    files = [f for f in run_files(run_dir) if f in RUN_FILES]
+    if (mine is not None and mine != rid) or (mine is None and isinstance(rid, str) and files):
+        raise RunDirError(
+            f"cannot resume {path} in {run_dir}: that directory holds files of another run "
+            f"({', '.join(files[-4:])}), which the resumed run would overwrite; move the checkpoint "
+            "into a directory of its own, or pass --run_name NEW to branch off into a new one"
         )
 
 
@@ -107,6 +120,7 @@ def resume_config(spec: str, layers: Layers, run_dir: Path) -> tuple[TrainConfig
                 f"new --run_name; to continue {run_dir.name!r}, pass --resume latest --run_name {run_dir.name}"
             )
         return cfg, path
+    check_owner(run_dir, meta, path)
     newer = [p for p in list_checkpoints(run_dir) if step_of(p) > meta["step"] and p.resolve() != path.resolve()]
     if newer:
         raise CheckpointError(

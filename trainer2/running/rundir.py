@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from trainer2.io.safeio import NOFOLLOW, write_replace
 from trainer2.io.telemetry import CONFIG_FILE, TELEMETRY_FILE
 from trainer2.running.checkpoint import META_FILE, STEP_RE, TMP_PREFIX, list_checkpoints
 
@@ -23,7 +24,8 @@ except ImportError:  # not POSIX (Windows): runs are not locked there
 
 LOCK_FILE = ".lock"
 SUMMARY_FILE = "summary.json"
-RUN_FILES = (TELEMETRY_FILE, CONFIG_FILE, SUMMARY_FILE)  # with the step_<N>/ checkpoints, what a run writes
+OWNER_FILE = ".run"  # {"run_id": ...}: which run the directory's files belong to, written before any of them
+RUN_FILES = (TELEMETRY_FILE, CONFIG_FILE, SUMMARY_FILE, OWNER_FILE)  # with the step_<N>/ checkpoints, what a run writes
 ORPHAN_RE = re.compile(re.escape(TMP_PREFIX) + r"(?:old-)?step_\d{8,}-(\d+)")  # checkpoint.save's temporary names
 
 
@@ -48,6 +50,22 @@ def run_files(run_dir: Path) -> list[str]:
     if not run_dir.is_dir():
         return []
     return sorted(p.name for p in run_dir.iterdir() if p.name in RUN_FILES or STEP_RE.fullmatch(p.name))
+
+
+def owner(run_dir: Path) -> str | None:
+    """The run id recorded in run_dir/.run; None when there is none (a new directory, or a run of older trainer2)."""
+    try:
+        rid = json.loads((run_dir / OWNER_FILE).read_text(encoding="utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) else None
+
+
+def claim(run_dir: Path, run_id: str) -> None:
+    """Record run_id as the owner of run_dir's files (before the run writes any of them)."""
+    if owner(run_dir) != run_id:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_replace(run_dir / OWNER_FILE, (json.dumps({"run_id": run_id}) + "\n").encode())
 
 
 def fresh_name(checkpoint_dir: Path, prefix: str) -> str:
@@ -101,7 +119,14 @@ class RunLock:
             return self
         while self.fd is None:
             self.run_dir.mkdir(parents=True, exist_ok=True)  # again: a releasing holder may have just removed it
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise RunDirError(
+                    f"{self.path} is a symbolic link; a run locks only a file it made itself: remove the link"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -173,7 +198,7 @@ def remove_orphans(run_dir: Path, log: Callable[[str], None]) -> int:
     for p in sorted(run_dir.iterdir()) if run_dir.is_dir() else ():
         m = ORPHAN_RE.fullmatch(p.name)
         pid = int(m.group(1)) if m else None
-        if pid is None or not p.is_dir() or (pid_alive(pid) and pid != os.getpid()):
+        if pid is None or p.is_symlink() or not p.is_dir() or (pid_alive(pid) and pid != os.getpid()):
             continue
         freed += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
         shutil.rmtree(p, ignore_errors=True)

@@ -55,7 +55,10 @@ def generate(relax: Relaxation, vocab: list[str], prompt: str, length: int, temp
         if temperature == 0:
             nxt = probs.argmax()
         else:
-            nxt = torch.multinomial(torch.softmax(probs.log() / temperature, 0), 1, generator=gen)[0]
+            logp = (
+                probs.double().log()
+            )  # shifted so the likeliest is 0: a tiny temperature sends the rest to -inf, not NaN
+            nxt = torch.multinomial(torch.softmax((logp - logp.max()) / temperature, 0), 1, generator=gen)[0]
         out[t] = nxt
         ids = torch.cat([ids[1:], nxt[None]])
     return "".join(vocab[i] for i in out.tolist())

@@ -1,6 +1,6 @@
-"""A graceful stop on SIGINT or SIGTERM (Ctrl-C, a scheduler's preemption): the first signal asks the training
-loop to stop after the current window, which then saves a checkpoint and the summary; a second one ends the
-process at once."""
+"""A graceful stop on SIGINT, SIGTERM, SIGHUP or SIGQUIT (Ctrl-C, a scheduler's preemption, a closed terminal,
+Ctrl-backslash): the first signal asks the training loop to stop after the current window, which then saves a
+checkpoint and the summary; a second one ends the process at once."""
 
 from __future__ import annotations
 
@@ -9,11 +9,15 @@ import threading
 from types import FrameType
 from typing import Any
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: the terminal closed; SIGQUIT: Ctrl-backslash, whose default (a core dump) would lose the work since the last
+# checkpoint.
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
+)
 
 
 class StopSignals:
-    """While active (in the main thread only), the first SIGINT or SIGTERM sets `received` and nothing else:
+    """While active (in the main thread only), the first of STOP_SIGNALS sets `received` and nothing else:
     the handler prints nothing, since it may run in the middle of a print. The handlers then revert to the
     system default, so a second signal ends the process at once like an unhandled one: no traceback, and
     no torn checkpoint (saves are atomic; a killed save's temporary directory is removed at the next start).

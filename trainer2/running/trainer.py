@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from trainer2.config import ConfigError, TrainConfig, to_yaml
 from trainer2.io.data import Dataset, Sampler
+from trainer2.io.safeio import write_replace
 from trainer2.io.telemetry import Monitor
 from trainer2.learning.gradients import GradientSource, ep_gradients
 from trainer2.learning.params import ParamTable
@@ -33,7 +35,7 @@ from trainer2.running.distributed import Distributed
 from trainer2.running.evaluation import heldout_from_sums, heldout_sums, relaxation_cache
 from trainer2.running.health import Diverged, Health, divergence_message, nonfinite
 from trainer2.running.parts import build_parts, resolve_device
-from trainer2.running.rundir import SUMMARY_FILE, write_error
+from trainer2.running.rundir import SUMMARY_FILE, claim, write_error
 from trainer2.running.signals import STOP_SIGNALS, StopSignals
 from trainer2.running.step_runner import StepRunner
 
@@ -95,7 +97,7 @@ class Trainer:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
         torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
-        parts = build_parts(cfg, self.device)
+        parts = build_parts(cfg, self.device, world=self.dist.world_size)  # sizes checked before anything large
         self.data: Dataset = parts.data
         self.machine: Machine = parts.machine
         self.memory: MemoryBank | None = parts.memory
@@ -120,7 +122,8 @@ class Trainer:
         )
         self._interval = (time.perf_counter(), 0)  # (clock, window) where the current log interval began
         self._saved_at = -1  # window of the last checkpoint this trainer saved or loaded
-        self.health = Health(cfg.eps, log)
+        self.run_id = uuid.uuid4().hex  # stamps this run's checkpoints: pruning removes only those (a resume keeps it)
+        self.health = Health(cfg.eps, log, uniform_loss=math.log(max(self.data.num_classes, 2)))
         self.text = self.data.kind == "text"  # bits per character only mean something for text
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -164,8 +167,9 @@ class Trainer:
 
     @torch.no_grad()
     def train(self) -> dict[str, Any]:
-        """Run to total_windows(), save a checkpoint and the summary, and return the summary. The first SIGINT or
-        SIGTERM stops the run after the current window, still saving both (summary["interrupted"] names the
+        """Run to total_windows(), save a checkpoint and the summary, and return the summary. The first stop signal
+        (SIGINT, SIGTERM, SIGHUP, SIGQUIT) stops the run after the current window, still saving both
+        (summary["interrupted"] names the
         signal); a divergence (trainer2.running.health) stops it without saving, and raises Diverged."""
         cfg, total = self.cfg, self.total_windows()
         self.log("config:\n" + to_yaml(cfg).rstrip())
@@ -186,6 +190,8 @@ class Trainer:
         )
         if not bar.disable and not getattr(bar.fp, "isatty", lambda: False)():
             bar.mininterval = bar.maxinterval = 30.0  # in a pipe or CI: a line every 30 s, not a flood
+        if self.dist.is_main:
+            claim(self.run_dir, self.run_id)
         mon = self.monitor
         mon.attach(self.relaxation, bar, cfg.run_name)
         mon.start(self.progress.window)
@@ -362,6 +368,7 @@ class Trainer:
         p = self.progress
         meta = {
             "config": self.cfg.model_dump(mode="json"),
+            "run_id": self.run_id,
             "counters": {
                 "window": p.window,
                 "examples": p.examples,
@@ -410,7 +417,7 @@ class Trainer:
                 path = ck.save(self.run_dir, self.progress.window, tensors, meta)
             except (OSError, SafetensorError) as e:  # disk full, read-only, quota: save removed its temporary directory
                 raise write_error(path, e, "checkpoints saved before it are intact") from None
-            ck.prune(self.run_dir, self.cfg.keep_last)
+            ck.prune(self.run_dir, self.cfg.keep_last, self.run_id)
             self.log(f"checkpoint: {path}")
         self._saved_at = self.progress.window
         return path
@@ -422,6 +429,11 @@ class Trainer:
         loaded, meta = ck.load_checked(
             path, self.cfg, self.data, self.checkpoint_tensors(), optional=frozenset({"rng.cuda"})
         )
+        if meta["data"].get("source") != self.data.source:
+            self.log(
+                f"note: the data is read from {self.data.source}, the checkpoint's from {meta['data'].get('source')}; "
+                "its contents are the same (sha256), so the run goes on"
+            )
         self.check_global_batch(meta, path)
         saved_torch = meta.get("versions", {}).get("torch")
         if saved_torch != torch.__version__:
@@ -430,6 +442,8 @@ class Trainer:
                 "the resumed run may not be bitwise identical"
             )
         self.load_state_dict(loaded, meta)
+        if isinstance(meta.get("run_id"), str) and path.resolve().parent == self.run_dir.resolve():
+            self.run_id = meta["run_id"]  # the same run goes on; a branch into a new directory is a run of its own
         if not self.dist.is_main:
             self.updater.metrics.values.zero_()  # the saved sums are every rank's: rank 0 alone carries them on
         self._saved_at = self.progress.window
@@ -478,11 +492,5 @@ class Trainer:
         summary = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            path, tmp = self.run_dir / SUMMARY_FILE, self.run_dir / f".{SUMMARY_FILE}.tmp"
-            try:
-                tmp.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-                tmp.replace(path)  # whole or not at all, even on a full disk
-            except OSError:
-                tmp.unlink(missing_ok=True)
-                raise
+            write_replace(self.run_dir / SUMMARY_FILE, (json.dumps(summary, indent=2, allow_nan=False) + "\n").encode())
         return summary

@@ -1,0 +1,50 @@
+"""Writes that never go through a symbolic link the run did not make: a link planted in a run directory (as
+.lock, a temporary file, config.yaml) would otherwise make the run truncate or rewrite the file it points to."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; elsewhere links are not checked
+
+
+def link_refused(path: Path | str) -> OSError:
+    """The error for a symbolic link where the run writes a file of its own."""
+    return OSError(
+        errno.ELOOP, "is a symbolic link; a run writes only files it made itself (remove the link)", str(path)
+    )
+
+
+def nofollow_open(path: str, flags: int) -> int:
+    """An `opener` for open(): the file descriptor, refusing a symbolic link as the last component."""
+    try:
+        return os.open(path, flags | NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise link_refused(path) from None
+        raise
+
+
+def write_replace(path: Path, data: bytes) -> None:
+    """Replace `path` by a file holding `data`, whole or not at all: a fresh temporary file beside it (a leftover
+    one, or a link by that name, is removed first, never followed), fsync, rename over `path` (which replaces
+    a link there, never its target)."""
+    tmp = path.parent / f".{path.name}.tmp"
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise OSError(e.errno, e.strerror, str(path)) from None
