@@ -33,6 +33,7 @@ from trainer2.memory import MemoryBank
 from trainer2.profiling import drop_kineto_markers
 from trainer2.step import BatchStep, build_step
 from trainer2.profiling import PhaseTimer
+from trainer2.subnormals import flush_denormal
 
 MODES = ("eager", "graph", "compile", "compile+graph", "reduce-overhead")
 # Top-level CPU ops that launch no kernel: views and allocations.
@@ -275,6 +276,7 @@ def run(argv: list[str]) -> tuple[list[Row], str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    flush_denormal()  # as training does, so the figures are the trainer's
     print(run(list(sys.argv[1:] if argv is None else argv))[1])
     return 0
 

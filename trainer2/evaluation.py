@@ -22,6 +22,7 @@ from trainer2.data import Dataset, heldout_batches, load_dataset
 from trainer2.machine import Machine, build_machine
 from trainer2.memory import MemoryBank
 from trainer2.relaxation import Relaxation
+from trainer2.subnormals import flush_denormal
 
 EVAL_BATCH = 512  # held-out examples per scoring batch
 
@@ -108,6 +109,7 @@ def load_trained(path: str | Path, overrides: dict[str, Any] | None = None, log:
     """The parameters and memory bank of checkpoint directory `path` (no update state); `overrides` may set
     run-steering fields such as device or eval_batches. Everything is checked before a tensor is copied."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    flush_denormal()  # evaluate and sample: this thread's CPU arithmetic skips the slow subnormals
     path = Path(path)
     meta = read_meta(path)
     try:

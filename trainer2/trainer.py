@@ -22,6 +22,7 @@ from trainer2 import checkpoint as ck
 from trainer2.capture import StepRunner
 from trainer2.config import ConfigError, TrainConfig, to_yaml
 from trainer2.data import Dataset, Sampler, load_dataset
+from trainer2.dead_units import dead_units
 from trainer2.distributed import Distributed
 from trainer2.evaluation import heldout_from_sums, heldout_sums, relaxation_cache, resolve_device
 from trainer2.gradients import GradientSource, ep_gradients
@@ -33,6 +34,7 @@ from trainer2.params import ParamTable
 from trainer2.relaxation import Relaxation
 from trainer2.rundir import SUMMARY_FILE, write_error
 from trainer2.step import BatchStep, build_step
+from trainer2.subnormals import flush_denormal
 from trainer2.telemetry import Monitor
 from trainer2.update import Updater
 
@@ -71,6 +73,7 @@ class Trainer:
                               "multi-process runs need --memory_capacity 0")
         self.device = self.dist.place(resolve_device(cfg), cfg.device)
         graphs = cfg.use_cudagraphs and self.device.type == "cuda"  # without CUDA the StepRunner warns once
+        flush_denormal()  # this thread's CPU arithmetic skips the slow subnormals (trainer2.subnormals)
         torch.manual_seed(cfg.seed)  # the global RNGs too, so anything drawing from them repeats (and is checkpointed)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
@@ -237,7 +240,8 @@ class Trainer:
         """One device-to-host transfer of every accumulated metric, then reset the accumulators."""
         st = self.updater.state
         self.dist.check_in(self.updater.metrics.values, self.params.tensors, everywhere=True)  # all ranks' sums
-        sums, (lr, dropped_total) = self.updater.metrics.read(st.lr, st.dropped)
+        dead = dead_units(self.relaxation.s0.s[:-1], self.device)  # at the last window's free equilibrium
+        sums, (lr, dropped_total, dead) = self.updater.metrics.read(st.lr, st.dropped, dead)
         wins, ex = max(sums["windows"], 1.0), max(sums["examples"], 1.0)
         loss = sums["loss_sum"] / ex
         row: dict[str, Any] = {"window": self.progress.window, "examples": self.progress.examples,
@@ -248,6 +252,7 @@ class Trainer:
         for k in ("lior_mean", "spd_mean", "spd_last", "lior_nudge", "R_mean", "dropped",
                   "update_norm_energy", "update_norm_readout", "update_norm_embed"):
             row[k] = sums[k] / wins
+        row["dead_units"] = int(dead)  # hidden units at 0 or 1 for the whole last batch (trainer2.dead_units)
         row["nonfinite_params"] = sums["nonfinite_params"]  # windows of the interval that left a parameter non-finite
         row["lior_diff"] = row["lior_nudge"] - row["lior_mean"]  # the nudge's extra path length
         t0, w0 = self._interval

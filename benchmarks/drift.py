@@ -1,0 +1,108 @@
+"""Throughput drift over a long run: windows/s over the first and the last tenth of a run, and their ratio.
+
+    python benchmarks/drift.py [--repo PATH ...] [--threads 1] -- --preset deep --lr_schedule constant \\
+        --max_windows 14000 --log_every_windows 200 --eval_every_windows 0
+
+Trains `python <repo>/main.py <flags>` in a subprocess (OMP_NUM_THREADS=--threads) for each --repo (default: this
+checkout; give another checkout, e.g. an older commit, to compare), all of them at once so a changing load on the
+machine hits each alike, into a temporary checkpoint directory. From each run's telemetry.jsonl it prints windows/s
+over the first and the last tenth of the windows (evaluation excluded), last / first (the goal: >= 0.9), the dead
+hidden units of the last logged row (if that code logs them) and the subnormal floats in the final checkpoint,
+largest tensors first. `--telemetry FILE` instead reports on an existing run's telemetry.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def tenth_rates(rows: list[dict]) -> tuple[float, float, int]:
+    """(windows/s over the first tenth, over the last tenth, total windows) from logged rows, each row covering the
+    windows since the previous one at its windows_per_second."""
+    spans, prev = [], 0
+    for r in rows:
+        if r.get("windows_per_second"):
+            spans.append((prev, r["window"], (r["window"] - prev) / r["windows_per_second"]))
+        prev = r["window"]
+    total = prev
+    tenth = max(total // 10, 1)
+
+    def rate(lo: int, hi: int) -> float:
+        inside = [(a, b, s) for a, b, s in spans if a >= lo and b <= hi]
+        return sum(b - a for a, b, _ in inside) / max(sum(s for *_, s in inside), 1e-12)
+
+    return rate(0, tenth), rate(total - tenth, total), total
+
+
+def subnormals(step_dir: Path) -> dict[str, int]:
+    """Subnormal floats per tensor of a checkpoint's tensors.safetensors, nonzero counts only."""
+    out = {}
+    for k, v in load_file(str(step_dir / "tensors.safetensors")).items():
+        if v.dtype.kind == "f":
+            a = np.abs(v)
+            n = int(((a > 0) & (a < np.finfo(v.dtype).tiny)).sum())
+            if n:
+                out[k] = n
+    return out
+
+
+def report(label: str, telemetry: Path) -> None:
+    rows = [json.loads(line) for line in telemetry.read_text().splitlines() if line.strip()]
+    first, last, total = tenth_rates(rows)
+    print(f"{label}: {total} windows; first tenth {first:.1f} win/s, last tenth {last:.1f} win/s, "
+          f"last/first {last / first:.3f}")
+    dead = rows[-1].get("dead_units") if rows else None
+    print(f"  dead hidden units at the end: {'not logged by this code' if dead is None else int(dead)}")
+    steps = sorted(telemetry.parent.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    if steps:
+        sub = subnormals(steps[-1])
+        top = ", ".join(f"{k} {n}" for k, n in sorted(sub.items(), key=lambda kv: -kv[1])[:4])
+        print(f"  subnormal floats in {steps[-1].name}: {sum(sub.values())}" + (f" ({top})" if top else ""))
+    print("  windows/s per logged interval:", " ".join(f"{r['windows_per_second']:.0f}" for r in rows
+                                                       if r.get("windows_per_second")))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repo", action="append", help="checkout whose main.py to run (repeatable; default: this one)")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--telemetry", type=Path, help="report on this telemetry.jsonl instead of training")
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the training flags")
+    args = p.parse_args()
+    if args.telemetry:
+        report(str(args.telemetry), args.telemetry)
+        return 0
+    flags = [f for f in args.flags if f != "--"]
+    repos = [Path(r).resolve() for r in (args.repo or [HERE])]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ""}
+    with tempfile.TemporaryDirectory(prefix="drift_") as tmp:
+        procs = []
+        for i, repo in enumerate(repos):
+            cmd = [sys.executable, str(repo / "main.py"), *flags, "--checkpoint_dir", tmp, "--run_name", f"run{i}"]
+            print(f"run{i}: {' '.join(cmd)}  (cwd {repo})", flush=True)
+            log = open(Path(tmp) / f"run{i}.log", "w")
+            procs.append((subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        for i, (proc, log) in enumerate(procs):
+            rc = proc.wait()
+            log.close()
+            if rc:
+                print(f"run{i} failed ({rc}):\n" + (Path(tmp) / f"run{i}.log").read_text()[-3000:])
+                return 1
+        for i, repo in enumerate(repos):
+            report(f"run{i} ({repo})", Path(tmp) / f"run{i}" / "telemetry.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
