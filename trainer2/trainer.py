@@ -21,7 +21,7 @@ from tqdm import tqdm
 from trainer2 import checkpoint as ck
 from trainer2.capture import StepRunner
 from trainer2.config import ConfigError, TrainConfig, to_yaml
-from trainer2.data import Dataset, Sampler, load_dataset
+from trainer2.data import DataError, Dataset, load_dataset
 from trainer2.dead_units import dead_units
 from trainer2.distributed import Distributed
 from trainer2.evaluation import heldout_from_sums, heldout_sums, relaxation_cache, resolve_device
@@ -33,6 +33,7 @@ from trainer2.memory import MemoryBank
 from trainer2.params import ParamTable
 from trainer2.relaxation import Relaxation
 from trainer2.rundir import SUMMARY_FILE, write_error
+from trainer2.sampler import STATE_KEYS as SAMPLER_KEYS, Sampler, sampler_state
 from trainer2.step import BatchStep, build_step
 from trainer2.subnormals import flush_denormal
 from trainer2.telemetry import Monitor
@@ -323,7 +324,7 @@ class Trainer:
         """Copy a checkpoint's state into the live tensors in place and restore sampler, RNG, counters and history."""
         for k, dst in self.state_tensors().items():
             dst.copy_(tensors[k])
-        self.sampler.load_state_dict({k.removeprefix("sampler."): v for k, v in tensors.items() if k.startswith("sampler.")})
+        self.sampler.load_state_dict(sampler_state(tensors))
         torch.set_rng_state(tensors["rng.cpu"])
         if self.device.type == "cuda" and "rng.cuda" in tensors:
             torch.cuda.set_rng_state(tensors["rng.cuda"], self.device)
@@ -356,7 +357,11 @@ class Trainer:
         ck.check_config(meta["config"], self.cfg, path)
         ck.check_data(meta["data"], ck.data_fingerprint(self.data), path)
         loaded = ck.load_tensors(path, meta)
-        ck.check_tensors(loaded, self.checkpoint_tensors(), path / ck.TENSORS_FILE, optional=frozenset({"rng.cuda"}))
+        ck.check_tensors(loaded, self.checkpoint_tensors(), path / ck.TENSORS_FILE, optional=frozenset({"rng.cuda"}) | SAMPLER_KEYS)
+        try:  # the sampler checks its own state, in one of two formats (trainer2.sampler), on a throwaway copy
+            Sampler(self.sampler.num_examples, self.sampler.batch_size, 0).load_state_dict(sampler_state(loaded))
+        except DataError as e:
+            raise ck.CheckpointError(f"{path / ck.TENSORS_FILE}: {e}") from None
         ck.check_counters(meta, path)
         self.check_global_batch(meta, path)
         saved_torch = meta.get("versions", {}).get("torch")
