@@ -43,6 +43,7 @@ RESUME_FREE_FIELDS = frozenset({
     "max_windows", "max_epochs", "log_every_windows", "eval_every_windows", "eval_batches",
     "save_every_windows", "keep_last", "step_progress_every", "timing_debug",
     "compile_mode", "profile_windows", "cleanup_every", "cleanup_threshold", "tensorboard", "dist_timeout_seconds",
+    "token_cache",  # where the tokens are cached; the data fingerprint says whether they are the same tokens
     # per process: the global batch (batch_size x world size) is what must match, checked by Trainer.load_checkpoint
     "batch_size",
 })

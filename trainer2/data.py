@@ -153,11 +153,13 @@ def token_dtype(vocab_size: int) -> torch.dtype:
     return torch.int16 if vocab_size <= 2**15 else torch.int32
 
 
-def _text_dataset(chunks: Callable[[], Iterator[str]], source: str, context_len: int, heldout_fraction: float) -> Dataset:
+def _text_dataset(chunks: Callable[[], Iterator[str]], source: str, context_len: int, heldout_fraction: float,
+                  alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> Dataset:
     """Character-level data set: first (1 - heldout_fraction) of the characters train, the rest held-out.
 
     `chunks` gives the text in pieces and is called twice: once for the vocabulary and length, once to
-    fill the token array, so only one chunk is ever held as a str."""
+    fill the token array (from alloc(length, dtype); trainer2.token_cache passes a file), so only one chunk is
+    ever held as a str."""
     if context_len < 1:
         raise DataError(f"{source}: context_len must be at least 1, got {context_len}")
     seen = np.zeros(MAX_CODEPOINT + 1, dtype=bool)
@@ -167,18 +169,12 @@ def _text_dataset(chunks: Callable[[], Iterator[str]], source: str, context_len:
         length += len(text)
     if not length:
         raise DataError(f"{source}: file is empty; expected UTF-8 text")
-    n_train = length - round(length * heldout_fraction)
-    need = context_len + 1  # one full window plus its target
-    for split, size in (("train", n_train), ("heldout", length - n_train)):
-        if size < need:
-            raise DataError(
-                f"{source}: too short: the {split} split has {size} characters but needs at least {need} "
-                f"(context_len + 1); the text has {length} characters in total"
-            )
+    text_split_sizes(length, source, context_len, heldout_fraction)  # refuse a short text before tokenizing it
     # Vocabulary over the whole text (sorted by code point), so held-out never contains an unknown character.
     present = np.flatnonzero(seen)
     vocab = [chr(c) for c in present]
-    tokens = torch.empty(length, dtype=token_dtype(len(vocab)))
+    dtype = token_dtype(len(vocab))
+    tokens = torch.empty(length, dtype=dtype) if alloc is None else alloc(length, dtype)
     out, pos = tokens.numpy(), 0
     to_id = np.zeros(MAX_CODEPOINT + 1, dtype=out.dtype)  # code point -> vocabulary id
     to_id[present] = np.arange(len(vocab))
@@ -191,6 +187,25 @@ def _text_dataset(chunks: Callable[[], Iterator[str]], source: str, context_len:
         pos = end
     if pos != length:
         raise changed
+    return text_split(tokens, vocab, source, context_len, heldout_fraction)
+
+
+def text_split_sizes(length: int, source: str, context_len: int, heldout_fraction: float) -> int:
+    """Characters of the train split of a text of `length`; a split too short for one window is a DataError."""
+    n_train = length - round(length * heldout_fraction)
+    need = context_len + 1  # one full window plus its target
+    for split, size in (("train", n_train), ("heldout", length - n_train)):
+        if size < need:
+            raise DataError(
+                f"{source}: too short: the {split} split has {size} characters but needs at least {need} "
+                f"(context_len + 1); the text has {length} characters in total"
+            )
+    return n_train
+
+
+def text_split(tokens: torch.Tensor, vocab: list[str], source: str, context_len: int, heldout_fraction: float) -> Dataset:
+    """The text data set over tokens [T] (ids into vocab; in memory or mapped from a file): train, then held-out."""
+    n_train = text_split_sizes(len(tokens), source, context_len, heldout_fraction)
     return Dataset(
         kind="text",
         source=source,

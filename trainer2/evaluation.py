@@ -18,11 +18,12 @@ from torch import Tensor
 
 from trainer2.checkpoint import CheckpointError, check_config, check_data, check_tensors, data_fingerprint, load_tensors, read_meta
 from trainer2.config import ConfigError, TrainConfig, build_config
-from trainer2.data import Dataset, heldout_batches, load_dataset
+from trainer2.data import Dataset, heldout_batches
 from trainer2.machine import Machine, build_machine
 from trainer2.memory import MemoryBank
 from trainer2.relaxation import Relaxation
 from trainer2.subnormals import flush_denormal
+from trainer2.token_cache import load_text_or_features
 
 EVAL_BATCH = 512  # held-out examples per scoring batch
 
@@ -118,7 +119,7 @@ def load_trained(path: str | Path, overrides: dict[str, Any] | None = None, log:
         raise CheckpointError(f"{path}: its config cannot be used: {e}") from None
     check_config(meta["config"], cfg, path)
     device = resolve_device(cfg)
-    data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
+    data = load_text_or_features(cfg.data, cfg.context_len, cfg.heldout_fraction, cfg.token_cache)
     check_data(meta["data"], data_fingerprint(data), path)
     machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device)
     like = machine.readout.protos

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from trainer2 import checkpoint as ck
 from trainer2.capture import StepRunner
 from trainer2.config import ConfigError, TrainConfig, to_yaml
-from trainer2.data import DataError, Dataset, load_dataset
+from trainer2.data import DataError, Dataset
 from trainer2.dead_units import dead_units
 from trainer2.distributed import Distributed
 from trainer2.evaluation import heldout_from_sums, heldout_sums, relaxation_cache, resolve_device
@@ -37,6 +37,7 @@ from trainer2.sampler import STATE_KEYS as SAMPLER_KEYS, Sampler, sampler_state
 from trainer2.step import BatchStep, build_step
 from trainer2.subnormals import flush_denormal
 from trainer2.telemetry import Monitor
+from trainer2.token_cache import load_text_or_features
 from trainer2.update import Updater
 
 # Parts wired once in __init__; assigning one afterwards is refused (pass gradients= to Trainer instead).
@@ -79,7 +80,7 @@ class Trainer:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
         torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
-        self.data: Dataset = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
+        self.data: Dataset = load_text_or_features(cfg.data, cfg.context_len, cfg.heldout_fraction, cfg.token_cache)
         self.machine: Machine = build_machine(cfg, self.data.num_classes, self.data.input_dim, self.data.kind == "text", self.device)
         like = self.machine.readout.protos
         self.memory = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, like) if cfg.memory_capacity else None
