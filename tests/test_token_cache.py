@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trainer2 import token_cache as tc
+from trainer2.checkpoint import data_fingerprint
 from trainer2.data import DataError, load_dataset
 
 TEXT = "The quick brown fox jumps over the lazy dog; naïve café, 42.\n"
@@ -41,7 +42,7 @@ def no_tokenizing(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(tc, "_text_dataset", refuse)
+    monkeypatch.setattr(tc, "codepoint_chunks", refuse)
 
 
 def test_the_first_load_writes_the_cache_and_later_ones_map_it(corpus, monkeypatch):
@@ -50,6 +51,19 @@ def test_the_first_load_writes_the_cache_and_later_ones_map_it(corpus, monkeypat
     no_tokenizing(monkeypatch)
     second = load(corpus)
     assert same_as_in_memory(second, corpus)
+    # the cache's hash of the tokens is the data fingerprint's: checkpoints of in-memory runs still resume
+    assert second.digest is not None and data_fingerprint(second) == data_fingerprint(load_dataset(str(corpus), 8, 0.1))
+
+
+def test_chunks_that_split_a_character_or_mix_ascii_give_the_same_tokens(corpus, monkeypatch):
+    corpus.write_text("plain ascii " * 5 + "é€😀 ünïcödé " * 7 + "ascii again " * 5, encoding="utf-8")
+    monkeypatch.setattr(tc, "CHUNK", 5)  # every multi-byte character lands across some chunk boundary
+    assert same_as_in_memory(load(corpus), corpus)
+    corpus.write_bytes(b"ok ascii " * 10 + b"\xff bad")
+    with pytest.raises(DataError, match="not valid UTF-8 .*offset 90"):
+        load(corpus, "off")
+    with pytest.raises(DataError, match="not valid UTF-8 .*offset 90"):
+        load(corpus)
 
 
 def test_a_changed_source_is_tokenized_again(corpus):
@@ -143,6 +157,7 @@ def test_off_tokenizes_in_memory_and_writes_nothing(corpus):
 CHILD = """
 import hashlib, sys
 from trainer2 import token_cache as tc
+from trainer2.checkpoint import data_fingerprint
 write = tc.write_cache
 def counted(*args):
     print("wrote", flush=True)

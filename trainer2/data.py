@@ -36,6 +36,7 @@ class Dataset:
     heldout: torch.Tensor
     train_y: torch.Tensor | None
     heldout_y: torch.Tensor | None
+    digest: str | None = None  # sha256 of the text's tokens when known (a token cache's), so nobody hashes them again
 
     def _split(self, split: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(tokens [T] or x [N, D], None or y [N]) of one split."""
@@ -153,13 +154,11 @@ def token_dtype(vocab_size: int) -> torch.dtype:
     return torch.int16 if vocab_size <= 2**15 else torch.int32
 
 
-def _text_dataset(chunks: Callable[[], Iterator[str]], source: str, context_len: int, heldout_fraction: float,
-                  alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> Dataset:
+def _text_dataset(chunks: Callable[[], Iterator[str]], source: str, context_len: int, heldout_fraction: float) -> Dataset:
     """Character-level data set: first (1 - heldout_fraction) of the characters train, the rest held-out.
 
     `chunks` gives the text in pieces and is called twice: once for the vocabulary and length, once to
-    fill the token array (from alloc(length, dtype); trainer2.token_cache passes a file), so only one chunk is
-    ever held as a str."""
+    fill the token array, so only one chunk is ever held as a str."""
     if context_len < 1:
         raise DataError(f"{source}: context_len must be at least 1, got {context_len}")
     seen = np.zeros(MAX_CODEPOINT + 1, dtype=bool)
@@ -173,8 +172,7 @@ def _text_dataset(chunks: Callable[[], Iterator[str]], source: str, context_len:
     # Vocabulary over the whole text (sorted by code point), so held-out never contains an unknown character.
     present = np.flatnonzero(seen)
     vocab = [chr(c) for c in present]
-    dtype = token_dtype(len(vocab))
-    tokens = torch.empty(length, dtype=dtype) if alloc is None else alloc(length, dtype)
+    tokens = torch.empty(length, dtype=token_dtype(len(vocab)))
     out, pos = tokens.numpy(), 0
     to_id = np.zeros(MAX_CODEPOINT + 1, dtype=out.dtype)  # code point -> vocabulary id
     to_id[present] = np.arange(len(vocab))

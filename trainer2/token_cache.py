@@ -12,6 +12,7 @@ the same file.
 
 from __future__ import annotations
 
+import codecs
 import fcntl
 import hashlib
 import json
@@ -19,6 +20,7 @@ import os
 import struct
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from trainer2.data import TEXT_CHUNK, Dataset, DataError, _check_file, _read_text_chunks, _text_dataset, load_dataset, text_split
+from trainer2.data import (MAX_CODEPOINT, TEXT_CHUNK, Dataset, DataError, _check_file, _codepoints, load_dataset, text_split,
+                           text_split_sizes, token_dtype)
 
 MAGIC = b"TRAINER2-TOKENS\0"
 VERSION = 1
@@ -37,6 +40,7 @@ ALIGN = 4096  # the tokens start on the first page boundary after the prefix
 SAMPLES = 64  # blocks hashed for a fingerprint, spread evenly over the file
 SAMPLE_BYTES = 1 << 16
 PROGRESS_BYTES = 64 << 20  # a progress bar from this source size on
+CHUNK = TEXT_CHUNK  # bytes read at a time
 
 
 def user_cache_dir() -> Path:
@@ -131,31 +135,88 @@ def map_tokens(cache: CacheFile) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
+def _code_units(text: str) -> np.ndarray:
+    """str -> its code points as uint16 [T] when all are below 0x10000 (UTF-16 has no surrogate pairs then, and
+    encodes 4x faster than UTF-32), else uint32 [T]."""
+    units = text.encode("utf-16-le")
+    if len(units) == 2 * len(text):
+        return np.frombuffer(units, dtype=np.uint16)
+    return _codepoints(text)
+
+
+def codepoint_chunks(path: Path) -> Iterator[np.ndarray]:
+    """The file's characters as code point arrays, CHUNK bytes at a time: an all-ASCII chunk is its own bytes (uint8,
+    no decoding), any other is UTF-8-decoded (uint16, or uint32 with characters above 0xFFFF); a DataError names the
+    path."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes of the file read so far
+    try:
+        with open(path, "rb") as f:
+            while True:
+                raw = f.read(CHUNK)
+                b = np.frombuffer(raw, dtype=np.uint8)
+                pending = len(decoder.getstate()[0])  # bytes of a character split by the previous chunk
+                if raw and not pending and int(b.max()) < 0x80:
+                    yield b
+                else:
+                    try:
+                        text = decoder.decode(raw, final=not raw)
+                    except UnicodeDecodeError as e:
+                        raise DataError(f"{path}: not valid UTF-8 (bad byte at offset {offset - pending + e.start}); "
+                                        "expected a UTF-8 text file") from None
+                    if text:
+                        yield _code_units(text)
+                offset += len(raw)
+                if not raw:
+                    return
+    except OSError as e:
+        raise DataError(f"{path}: cannot read file ({e.strerror})") from e
+
+
 def write_cache(path: Path, source_path: Path, source: dict[str, Any], context_len: int, heldout_fraction: float) -> None:
-    """Tokenize `source_path` in a streaming pass into a temporary file beside `path`, then rename it into place.
-    Layout: prefix | tokens from offset ALIGN | header (JSON), so the tokens are written once, where they stay."""
+    """Tokenize `source_path` in two streaming passes (vocabulary, then tokens written in order) into a temporary file
+    beside `path`, then rename it into place. Layout: prefix | tokens from offset ALIGN | header (JSON). The ids and
+    their type are those of data.load_dataset, so the data fingerprint of a checkpoint does not change."""
+    name = str(source_path)
+    seen = np.zeros(MAX_CODEPOINT + 1, dtype=bool)
+    length = 0
+    with _bar(source_path, source["size"], "vocabulary") as bar:
+        for cp in codepoint_chunks(source_path):
+            if cp.dtype == np.uint32:
+                seen[cp] = True
+            else:  # a histogram over the 256 or 65,536 values of the type: faster than scattering into `seen`
+                width = np.iinfo(cp.dtype).max + 1
+                seen[:width] |= np.bincount(cp, minlength=width) > 0
+            length += len(cp)
+            bar.update(len(cp))
+    if not length:
+        raise DataError(f"{name}: file is empty; expected UTF-8 text")
+    text_split_sizes(length, name, context_len, heldout_fraction)  # refuse a short text before tokenizing it
+    present = np.flatnonzero(seen)
+    dtype = np.dtype(str(token_dtype(len(present))).removeprefix("torch."))
+    to_id = np.zeros(MAX_CODEPOINT + 1, dtype=dtype)
+    to_id[present] = np.arange(len(present))
+    tables = {np.dtype(np.uint8): to_id[:256].copy(), np.dtype(np.uint16): to_id[:65536].copy(), np.dtype(np.uint32): to_id}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "r+b") as f:
-            mapped: list[np.memmap] = []
-
-            def alloc(length: int, dtype: torch.dtype) -> torch.Tensor:
-                np_dtype = np.dtype(str(dtype).removeprefix("torch."))
-                f.truncate(ALIGN + length * np_dtype.itemsize)
-                mapped.append(np.memmap(f, dtype=np_dtype, mode="r+", offset=ALIGN, shape=(length,)))
-                return torch.from_numpy(mapped[-1])
-
-            data = _text_dataset(_progress_chunks(source_path, source["size"]), str(source_path), context_len,
-                                 heldout_fraction, alloc)
-            tokens = mapped.pop()
-            tokens.flush()
-            nbytes = len(tokens) * tokens.dtype.itemsize
-            header = {"source": source, "vocab": [ord(c) for c in data.vocab], "dtype": tokens.dtype.str,
-                      "length": len(tokens), "tokens_sha256": _sha256(tokens),
-                      "tokens_sampled_sha256": sampled_hash(_Window(f, ALIGN), nbytes)}
-            del data, tokens
+            f.write(bytes(ALIGN))  # the prefix goes here last
+            h, written = hashlib.sha256(), 0
+            with _bar(source_path, source["size"], "tokens") as bar:
+                for cp in codepoint_chunks(source_path):
+                    ids = np.take(tables[cp.dtype], cp)  # the smallest table the chunk's type can index
+                    h.update(ids)
+                    f.write(ids)
+                    written += len(ids)
+                    bar.update(len(cp))
+            if written != length:
+                raise DataError(f"{name}: the file changed while it was being read; try again")
+            nbytes = length * dtype.itemsize
+            f.flush()
+            header = {"source": source, "vocab": present.tolist(), "dtype": dtype.str, "length": length,
+                      "tokens_sha256": h.hexdigest(), "tokens_sampled_sha256": sampled_hash(_Window(f, ALIGN), nbytes)}
             blob = json.dumps(header).encode()
             f.seek(ALIGN + nbytes)
             f.write(blob)
@@ -164,32 +225,17 @@ def write_cache(path: Path, source_path: Path, source: dict[str, Any], context_l
             f.flush()
             os.fsync(f.fileno())
         if source_fingerprint(source_path) != source:
-            raise DataError(f"{source_path}: the file changed while it was being read; try again")
+            raise DataError(f"{name}: the file changed while it was being read; try again")
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from other users of the data
         os.replace(tmp, path)  # whole or not at all: a reader sees the old file, no file, or the new one
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _sha256(tokens: np.ndarray) -> str:
-    """sha256 of the token bytes, in chunks (what checkpoint.data_fingerprint hashes of a text data set)."""
-    h = hashlib.sha256()
-    step = TEXT_CHUNK * 4
-    for i in range(0, len(tokens), step):
-        h.update(np.ascontiguousarray(tokens[i:i + step]))
-    return h.hexdigest()
-
-
-def _progress_chunks(path: Path, size: int):
-    """_read_text_chunks for the tokenizer's two passes, with a progress bar on stderr for a large file."""
-    def chunks():
-        with tqdm(total=size, unit="B", unit_scale=True, desc=f"tokenizing {path.name}", file=sys.stderr,
-                  disable=size < PROGRESS_BYTES, mininterval=1.0) as bar:
-            for text in _read_text_chunks(str(path)):
-                bar.update(len(text))  # characters: bytes for ASCII, a little less otherwise
-                yield text
-
-    return chunks
+def _bar(path: Path, size: int, what: str) -> tqdm:
+    """A progress bar on stderr (characters, against the size in bytes) for a file of PROGRESS_BYTES or more."""
+    return tqdm(total=size, unit="B", unit_scale=True, desc=f"tokenizing {path.name} ({what})", file=sys.stderr,
+                disable=size < PROGRESS_BYTES, mininterval=1.0)
 
 
 def cache_path(source: Path, where: str) -> Path:
@@ -239,7 +285,9 @@ def cached_text_dataset(path: str, where: str, context_len: int, heldout_fractio
             errors.append(f"{cache_path(source, place).parent}: {e.strerror or e}")
             continue
         vocab = [chr(c) for c in cache.header["vocab"]]
-        return text_split(map_tokens(cache), vocab, path, context_len, heldout_fraction)
+        data = text_split(map_tokens(cache), vocab, path, context_len, heldout_fraction)
+        data.digest = cache.header["tokens_sha256"]
+        return data
     raise DataError(f"{path}: cannot write a token cache ({'; '.join(errors)}); pass --token_cache DIR (a writable "
                     "directory) or --token_cache off")
 
