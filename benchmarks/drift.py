@@ -9,6 +9,11 @@ machine hits each alike, into a temporary checkpoint directory. From each run's 
 over the first and the last tenth of the windows (evaluation excluded), last / first (the goal: >= 0.9), the dead
 hidden units of the last logged row (if that code logs them) and the subnormal floats in the final checkpoint,
 largest tensors first. `--telemetry FILE` instead reports on an existing run's telemetry.jsonl.
+
+    python benchmarks/drift.py --resume CHECKPOINT --windows 300 --rounds 2 --repo A --repo B
+
+instead resumes step directory CHECKPOINT (e.g. one holding many subnormals) for --windows windows with each
+repo's main.py in turn, --rounds interleaved rounds, and prints each process's wall time and windows/s.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,16 +79,44 @@ def report(label: str, telemetry: Path) -> None:
                                                        if r.get("windows_per_second")))
 
 
+def resume_rounds(args: argparse.Namespace) -> int:
+    """Interleaved A/B: resume args.resume for args.windows windows with each repo, args.rounds times."""
+    step = int(json.loads((args.resume / "meta.json").read_text())["counters"]["window"])
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ""}
+    flags = [f for f in args.flags if f != "--"]
+    for r in range(args.rounds):
+        for i, repo in enumerate(Path(x).resolve() for x in (args.repo or [HERE])):
+            with tempfile.TemporaryDirectory(prefix="drift_resume_") as tmp:
+                cmd = [sys.executable, str(repo / "main.py"), "--resume", str(args.resume.resolve()), "--checkpoint_dir",
+                       tmp, "--run_name", "ab", "--max_windows", str(step + args.windows), "--eval_every_windows", "0",
+                       "--log_every_windows", str(args.windows), "--eval_batches", "1", *flags]
+                t0 = time.perf_counter()
+                out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+                wall = time.perf_counter() - t0
+                if out.returncode:
+                    print(f"{repo} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+                    return 1
+                rows = [json.loads(x) for x in (Path(tmp) / "ab" / "telemetry.jsonl").read_text().splitlines()]
+                print(f"round {r + 1} repo{i} ({repo}): process {wall:.2f} s, "
+                      f"{rows[-1]['windows_per_second']:.1f} windows/s", flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repo", action="append", help="checkout whose main.py to run (repeatable; default: this one)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     p.add_argument("--telemetry", type=Path, help="report on this telemetry.jsonl instead of training")
+    p.add_argument("--resume", type=Path, help="a step_<N>/ directory to resume with each repo in turn")
+    p.add_argument("--windows", type=int, default=300, help="windows past the checkpoint's (with --resume)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (with --resume)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the training flags")
     args = p.parse_args()
     if args.telemetry:
         report(str(args.telemetry), args.telemetry)
         return 0
+    if args.resume:
+        return resume_rounds(args)
     flags = [f for f in args.flags if f != "--"]
     repos = [Path(r).resolve() for r in (args.repo or [HERE])]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ""}
