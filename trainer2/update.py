@@ -16,7 +16,7 @@ from trainer2.config import TrainConfig
 from trainer2.gradients import StepResult
 from trainer2.machine import Machine, couplings, project_constraints
 from trainer2.params import GROUPS, ParamTable
-from trainer2.subnormals import flush_tiny_, tiny_offset
+from trainer2.subnormals import flush_subnormals_
 
 
 @dataclass
@@ -58,7 +58,7 @@ def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor | Non
     """One step of every parameter at once, over flat (P,) buffers: heavy-ball (buf = momentum * buf + grad,
     p -= lr * mult * buf) or Adam (momentum as beta1, bias-corrected); grad includes decay * p; mult None is 1.
 
-    Subnormal entries of the parameters and moments end as 0 (trainer2.subnormals).
+    Subnormal entries of the moments end as 0 (trainer2.subnormals).
     A non-finite gradient anywhere drops the whole update (buffers and parameters untouched) by a
     device-side mask, counted in st.dropped; nothing syncs with the host. grad is used as scratch; step
     receives the applied step. Returns the mask (0-dim, 1 = applied).
@@ -87,7 +87,7 @@ def flat_update(param: Tensor, grad: Tensor, st: UpdateState, mult: Tensor | Non
         step.mul_(mult)
     param.sub_(step)
     # Snap subnormals to 0: a zero-gradient entry's moments decay into them and stick there, slowing every later window
-    flush_tiny_([param, st.bufs, *([st.sq] if st.sq.numel() else [])], tiny_offset(param.dtype))
+    flush_subnormals_([st.bufs, st.sq] if st.sq.numel() else [st.bufs])
     st.dropped.add_(1.0 - ok)
     return ok
 
