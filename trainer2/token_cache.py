@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from trainer2.data import (MAX_CODEPOINT, TEXT_CHUNK, Dataset, DataError, _check_file, _codepoints, load_dataset, text_split,
+from trainer2.data import (MAX_CODEPOINT, Dataset, DataError, _check_file, _codepoints, load_dataset, text_split,
                            text_split_sizes, token_dtype)
 
 MAGIC = b"TRAINER2-TOKENS\0"
@@ -40,7 +40,7 @@ ALIGN = 4096  # the tokens start on the first page boundary after the prefix
 SAMPLES = 64  # blocks hashed for a fingerprint, spread evenly over the file
 SAMPLE_BYTES = 1 << 16
 PROGRESS_BYTES = 64 << 20  # a progress bar from this source size on
-CHUNK = TEXT_CHUNK  # bytes read at a time
+CHUNK = 1 << 18  # bytes read at a time: numpy indexes with int64 (8 bytes a character), and small chunks stay in cache
 
 
 def user_cache_dir() -> Path:
