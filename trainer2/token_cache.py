@@ -1,7 +1,7 @@
 """Text corpora as memory-mapped token files: tokenize once in a streaming pass, map the cache at every later start.
 
 A cache file holds a header (source fingerprint: size, mtime, a hash of sampled blocks; vocabulary; token type and
-count; a hash of the tokens) and the tokens, 1 or 2 bytes each, at a page-aligned offset. It lives beside the data
+count; a hash of the tokens) and the tokens, 1 or 2 bytes each (4 above 32,768 symbols), from a page boundary. It lives beside the data
 (`<file>.trainer2-tokens`) or, where that directory is read-only, in the user cache directory; `token_cache` may
 also name a directory, or be "off" (tokenize into memory at every start, as before). A cache is never trusted:
 a bad magic or header hash, a wrong length or payload sample, or a source whose size, mtime or sampled hash
@@ -63,10 +63,13 @@ def sampled_hash(f, size: int) -> str:
 
 
 def source_fingerprint(path: Path) -> dict[str, Any]:
-    """The source's size (bytes), mtime (ns) and sampled hash."""
-    st = path.stat()
-    with open(path, "rb") as f:
-        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sampled_sha256": sampled_hash(f, st.st_size)}
+    """The source's size (bytes), mtime (ns) and sampled hash; an unreadable source is a DataError naming it."""
+    try:
+        st = path.stat()
+        with open(path, "rb") as f:
+            return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sampled_sha256": sampled_hash(f, st.st_size)}
+    except OSError as e:  # not the cache's fault: no fallback to another cache directory would help
+        raise DataError(f"{path}: cannot read file ({e.strerror})") from None
 
 
 @dataclass
