@@ -79,3 +79,28 @@ def test_bad_states_are_refused_naming_the_format_or_the_problem():
         Sampler(11, 2, seed=0).load_state_dict(state)
     with pytest.raises(DataError, match="larger than"):
         Sampler(3, 4, seed=0)
+
+
+def test_a_run_with_format_1_sampler_state_resumes_bit_for_bit_through_the_trainer(tmp_path, small_text):
+    """A checkpoint as main wrote it before issue 26 (sampler.generator, no format): resumed by the trainer, the run
+    continues in the randperm order it started with, and ends exactly where the uninterrupted run does."""
+    from safetensors.torch import load_file
+
+    from test_checkpoint import assert_same_checkpoint, config, quiet, run_dir
+    from trainer2 import checkpoint as ck
+
+    def legacy_run(name: str, windows: int):
+        trainer = quiet(config(tmp_path, small_text, run_name=name, max_windows=windows, memory_capacity=0))
+        s = trainer.sampler
+        trainer.sampler.load_state_dict(RandpermSampler(s.num_examples, s.batch_size, trainer.cfg.seed).state_dict())
+        return trainer
+
+    legacy_run("whole", 20).train()
+    legacy_run("cut", 10).train()
+    cut = run_dir(tmp_path, "cut") / "step_00000010"
+    saved = load_file(str(cut / ck.TENSORS_FILE))
+    assert "sampler.generator" in saved and "sampler.format" not in saved  # format 1, as before issue 26
+    resumed = quiet(config(tmp_path, small_text, run_name="cut", max_windows=20, memory_capacity=0))
+    resumed.load_checkpoint(cut)
+    resumed.train()
+    assert_same_checkpoint(run_dir(tmp_path, "whole") / "step_00000020", run_dir(tmp_path, "cut") / "step_00000020")
