@@ -14,6 +14,12 @@ largest tensors first. `--telemetry FILE` instead reports on an existing run's t
 
 instead resumes step directory CHECKPOINT (e.g. one holding many subnormals) for --windows windows with each
 repo's main.py in turn, --rounds interleaved rounds, and prints each process's wall time and windows/s.
+
+    python benchmarks/drift.py --dead CHECKPOINT [CHECKPOINT ...]
+
+counts, with this checkout's code, the dead hidden units of each checkpoint (also of one written by code that does
+not log them): units at 0 or 1 for every example of one training batch (the sampler's first) at the free
+equilibrium, as the telemetry's dead_units.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))  # this checkout's trainer2 (for --dead)
 
 
 def tenth_rates(rows: list[dict]) -> tuple[float, float, int]:
@@ -102,6 +109,23 @@ def resume_rounds(args: argparse.Namespace) -> int:
     return 0
 
 
+def dead_at(step_dir: Path) -> tuple[int, int]:
+    """(dead hidden units, hidden units) of a checkpoint on one training batch, with this checkout's code."""
+    import torch
+
+    from trainer2.dead_units import dead_units
+    from trainer2.evaluation import load_trained
+    from trainer2.relaxation import Relaxation
+    from trainer2.sampler import Sampler
+
+    t = load_trained(step_dir, {"device": "cpu"}, log=lambda msg: None)
+    relax = Relaxation(t.machine, t.cfg, t.cfg.batch_size, t.memory)
+    inputs, targets = t.data.batch("train", Sampler(t.data.num_examples("train"), t.cfg.batch_size, 0).next())
+    with torch.no_grad():
+        relax.free_phase(inputs, targets)
+    return int(dead_units(relax.s0.s[:-1], torch.device("cpu"))), sum(t.machine.state_sizes()[:-1])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repo", action="append", help="checkout whose main.py to run (repeatable; default: this one)")
@@ -110,8 +134,14 @@ def main() -> int:
     p.add_argument("--resume", type=Path, help="a step_<N>/ directory to resume with each repo in turn")
     p.add_argument("--windows", type=int, default=300, help="windows past the checkpoint's (with --resume)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (with --resume)")
+    p.add_argument("--dead", type=Path, nargs="+", help="count the dead hidden units of these step directories")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the training flags")
     args = p.parse_args()
+    if args.dead:
+        for step in args.dead:
+            dead, total = dead_at(step)
+            print(f"{step}: {dead} of {total} hidden units dead on one training batch")
+        return 0
     if args.telemetry:
         report(str(args.telemetry), args.telemetry)
         return 0
