@@ -72,15 +72,38 @@ def run(label: str, flags: list[str], tmp: Path) -> tuple[float, float, float]:
     return wall, anon / 1024, hwm / 1024
 
 
+def tokenize_rounds(tmp: Path, sizes_mb: list[int], rounds: int) -> int:
+    """Time making the token cache `rounds` times per corpus size, in this process; print best and median MB/s."""
+    for mb in sizes_mb:
+        f = tmp / f"corpus_{mb}mb.txt"
+        write_corpus(f, mb)
+        rates = []
+        for _ in range(rounds):
+            tc.cache_path(f, "auto").unlink(missing_ok=True)
+            t0 = time.perf_counter()
+            tc.open_cache(f, "auto", 8, 0.1)
+            rates.append(f.stat().st_size / 1e6 / (time.perf_counter() - t0))
+        rates.sort()
+        print(f"{mb} MB: first tokenization {rates[-1]:.1f} MB/s best, {rates[len(rates) // 2]:.1f} median "
+              f"of {rounds} rounds")
+        f.unlink()
+        tc.cache_path(f, "auto").unlink(missing_ok=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes_mb", type=int, nargs="+", default=[100])
     p.add_argument("--windows", type=int, default=20, help="training windows per run")
     p.add_argument("--off", action="store_true", help="also run each file with --token_cache off (as before)")
     p.add_argument("--dir", type=Path, help="where to write the corpora (default: a temporary directory)")
+    p.add_argument("--tokenize_rounds", type=int, default=0,
+                   help="only time the first tokenization this many times per size (best and median MB/s)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="corpus_", dir=args.dir) as tmp_name:
         tmp = Path(tmp_name)
+        if args.tokenize_rounds:
+            return tokenize_rounds(tmp, args.sizes_mb, args.tokenize_rounds)
         w = ["--max_windows", str(args.windows), "--log_every_windows", str(args.windows)]
         base = run("built-in corpus", w, tmp)
         for mb in args.sizes_mb:
