@@ -94,8 +94,9 @@ def resume_rounds(args: argparse.Namespace) -> int:
     for r in range(args.rounds):
         for i, repo in enumerate(Path(x).resolve() for x in (args.repo or [HERE])):
             with tempfile.TemporaryDirectory(prefix="drift_resume_") as tmp:
-                cmd = [sys.executable, str(repo / "main.py"), "--resume", str(args.resume.resolve()), "--checkpoint_dir",
-                       tmp, "--run_name", "ab", "--max_windows", str(step + args.windows), "--eval_every_windows", "0",
+                cmd = [sys.executable, str(repo / "main.py"), "--resume", str(args.resume.resolve()),
+                       "--checkpoint_dir", tmp, "--run_name", "ab", "--max_windows", str(step + args.windows),
+                       "--eval_every_windows", "0",
                        "--log_every_windows", str(args.windows), "--eval_batches", "1", *flags]
                 t0 = time.perf_counter()
                 out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)

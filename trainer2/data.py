@@ -201,7 +201,8 @@ def text_split_sizes(length: int, source: str, context_len: int, heldout_fractio
     return n_train
 
 
-def text_split(tokens: torch.Tensor, vocab: list[str], source: str, context_len: int, heldout_fraction: float) -> Dataset:
+def text_split(tokens: torch.Tensor, vocab: list[str], source: str, context_len: int,
+               heldout_fraction: float) -> Dataset:
     """The text data set over tokens [T] (ids into vocab; in memory or mapped from a file): train, then held-out."""
     n_train = text_split_sizes(len(tokens), source, context_len, heldout_fraction)
     return Dataset(

@@ -1,9 +1,10 @@
 """Text corpora as memory-mapped token files: tokenize once in a streaming pass, map the cache at every later start.
 
 A cache file holds a header (source fingerprint: size, mtime, a hash of sampled blocks; vocabulary; token type and
-count; a hash of the tokens) and the tokens, 1 or 2 bytes each (4 above 32,768 symbols), from a page boundary. It lives beside the data
-(`<file>.trainer2-tokens`) or, where that directory is read-only, in the user cache directory; `token_cache` may
-also name a directory, or be "off" (tokenize into memory at every start, as before). A cache is never trusted:
+count; a hash of the tokens) and the tokens, 1 or 2 bytes each (4 above 32,768 symbols), from a page boundary.
+It lives beside the data (`<file>.trainer2-tokens`) or, where that directory is read-only, in the user cache
+directory; `token_cache` may also name a directory, or be "off" (tokenize into memory at every start, as
+before). A cache is never trusted:
 a bad magic or header hash, a wrong length or payload sample, or a source whose size, mtime or sampled hash
 differs gets it rebuilt (or refused where it cannot be rewritten). Creation takes a lock beside the cache, writes
 a temporary file and renames it into place, so concurrent processes (a torchrun job) tokenize once and all map
@@ -176,7 +177,8 @@ def codepoint_chunks(path: Path) -> Iterator[np.ndarray]:
         raise DataError(f"{path}: cannot read file ({e.strerror})") from e
 
 
-def write_cache(path: Path, source_path: Path, source: dict[str, Any], context_len: int, heldout_fraction: float) -> None:
+def write_cache(path: Path, source_path: Path, source: dict[str, Any], context_len: int,
+                heldout_fraction: float) -> None:
     """Tokenize `source_path` in two streaming passes (vocabulary, then tokens written in order) into a temporary file
     beside `path`, then rename it into place. Layout: prefix | tokens from offset ALIGN | header (JSON). The ids and
     their type are those of data.load_dataset, so the data fingerprint of a checkpoint does not change."""
@@ -199,7 +201,8 @@ def write_cache(path: Path, source_path: Path, source: dict[str, Any], context_l
     dtype = np.dtype(str(token_dtype(len(present))).removeprefix("torch."))
     to_id = np.zeros(MAX_CODEPOINT + 1, dtype=dtype)
     to_id[present] = np.arange(len(present))
-    tables = {np.dtype(np.uint8): to_id[:256].copy(), np.dtype(np.uint16): to_id[:65536].copy(), np.dtype(np.uint32): to_id}
+    tables = {np.dtype(np.uint8): to_id[:256].copy(), np.dtype(np.uint16): to_id[:65536].copy(),
+              np.dtype(np.uint32): to_id}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)

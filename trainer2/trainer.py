@@ -358,7 +358,8 @@ class Trainer:
         ck.check_config(meta["config"], self.cfg, path)
         ck.check_data(meta["data"], ck.data_fingerprint(self.data), path)
         loaded = ck.load_tensors(path, meta)
-        ck.check_tensors(loaded, self.checkpoint_tensors(), path / ck.TENSORS_FILE, optional=frozenset({"rng.cuda"}) | SAMPLER_KEYS)
+        optional = frozenset({"rng.cuda"}) | SAMPLER_KEYS
+        ck.check_tensors(loaded, self.checkpoint_tensors(), path / ck.TENSORS_FILE, optional=optional)
         try:  # the sampler checks its own state, in one of two formats (trainer2.sampler), on a throwaway copy
             Sampler(self.sampler.num_examples, self.sampler.batch_size, 0).load_state_dict(sampler_state(loaded))
         except DataError as e:
