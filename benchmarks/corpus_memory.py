@@ -25,8 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
-from trainer2 import token_cache as tc  # noqa: E402
-from trainer2.data import _builtin_text  # noqa: E402
+from trainer2.io import token_cache as tc  # noqa: E402
+from trainer2.io.data import _builtin_text  # noqa: E402
 
 
 def write_corpus(path: Path, size_mb: int) -> None:
@@ -54,8 +54,21 @@ def status_kib(pid: int, key: str) -> int:
 
 def run(label: str, flags: list[str], tmp: Path) -> tuple[float, float, float]:
     """(wall s, peak RssAnon MiB, peak VmHWM MiB) of one training process; prints them."""
-    cmd = [sys.executable, str(HERE / "main.py"), "--preset", "dev", *flags, "--eval_every_windows", "0",
-           "--eval_batches", "1", "--checkpoint_dir", str(tmp / "ck"), "--run_name", f"r{time.monotonic_ns()}"]
+    cmd = [
+        sys.executable,
+        str(HERE / "main.py"),
+        "--preset",
+        "dev",
+        *flags,
+        "--eval_every_windows",
+        "0",
+        "--eval_batches",
+        "1",
+        "--checkpoint_dir",
+        str(tmp / "ck"),
+        "--run_name",
+        f"r{time.monotonic_ns()}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -67,8 +80,11 @@ def run(label: str, flags: list[str], tmp: Path) -> tuple[float, float, float]:
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{label} failed:\n{proc.stderr.read()[-2000:]}")
-    print(f"{label:<44} wall {wall:7.2f} s   peak anon {anon / 1024:7.1f} MiB   peak RSS incl. file pages "
-          f"{hwm / 1024:7.1f} MiB", flush=True)
+    print(
+        f"{label:<44} wall {wall:7.2f} s   peak anon {anon / 1024:7.1f} MiB   peak RSS incl. file pages "
+        f"{hwm / 1024:7.1f} MiB",
+        flush=True,
+    )
     return wall, anon / 1024, hwm / 1024
 
 
@@ -84,8 +100,10 @@ def tokenize_rounds(tmp: Path, sizes_mb: list[int], rounds: int) -> int:
             tc.open_cache(f, "auto", 8, 0.1)
             rates.append(f.stat().st_size / 1e6 / (time.perf_counter() - t0))
         rates.sort()
-        print(f"{mb} MB: first tokenization {rates[-1]:.1f} MB/s best, {rates[len(rates) // 2]:.1f} median "
-              f"of {rounds} rounds")
+        print(
+            f"{mb} MB: first tokenization {rates[-1]:.1f} MB/s best, {rates[len(rates) // 2]:.1f} median "
+            f"of {rounds} rounds"
+        )
         f.unlink()
         tc.cache_path(f, "auto").unlink(missing_ok=True)
     return 0
@@ -97,8 +115,12 @@ def main() -> int:
     p.add_argument("--windows", type=int, default=20, help="training windows per run")
     p.add_argument("--off", action="store_true", help="also run each file with --token_cache off (as before)")
     p.add_argument("--dir", type=Path, help="where to write the corpora (default: a temporary directory)")
-    p.add_argument("--tokenize_rounds", type=int, default=0,
-                   help="only time the first tokenization this many times per size (best and median MB/s)")
+    p.add_argument(
+        "--tokenize_rounds",
+        type=int,
+        default=0,
+        help="only time the first tokenization this many times per size (best and median MB/s)",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="corpus_", dir=args.dir) as tmp_name:
         tmp = Path(tmp_name)
@@ -113,13 +135,17 @@ def main() -> int:
             t0 = time.perf_counter()
             tc.open_cache(f, "auto", 8, 0.1)
             took = time.perf_counter() - t0
-            print(f"{mb} MB corpus ({size / 1e6:.1f} MB): first tokenization into the cache {took:.2f} s = "
-                  f"{size / 1e6 / took:.1f} MB/s (cache {tc.cache_path(f, 'auto').stat().st_size / 1e6:.1f} MB)")
+            print(
+                f"{mb} MB corpus ({size / 1e6:.1f} MB): first tokenization into the cache {took:.2f} s = "
+                f"{size / 1e6 / took:.1f} MB/s (cache {tc.cache_path(f, 'auto').stat().st_size / 1e6:.1f} MB)"
+            )
             tc.cache_path(f, "auto").unlink()
             first = run(f"{mb} MB, first start (tokenizes)", [*w, "--data", str(f)], tmp)
             second = run(f"{mb} MB, second start (maps the cache)", [*w, "--data", str(f)], tmp)
-            print(f"  second start - built-in: {second[0] - base[0]:+.2f} s; peak anon - built-in: "
-                  f"{second[1] - base[1]:+.1f} MiB (first start {first[1] - base[1]:+.1f} MiB)")
+            print(
+                f"  second start - built-in: {second[0] - base[0]:+.2f} s; peak anon - built-in: "
+                f"{second[1] - base[1]:+.1f} MiB (first start {first[1] - base[1]:+.1f} MiB)"
+            )
             if args.off:
                 off = run(f"{mb} MB, --token_cache off", [*w, "--data", str(f), "--token_cache", "off"], tmp)
                 print(f"  off - built-in: {off[0] - base[0]:+.2f} s, peak anon {off[1] - base[1]:+.1f} MiB")

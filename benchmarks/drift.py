@@ -73,8 +73,10 @@ def subnormals(step_dir: Path) -> dict[str, int]:
 def report(label: str, telemetry: Path) -> None:
     rows = [json.loads(line) for line in telemetry.read_text().splitlines() if line.strip()]
     first, last, total = tenth_rates(rows)
-    print(f"{label}: {total} windows; first tenth {first:.1f} win/s, last tenth {last:.1f} win/s, "
-          f"last/first {last / first:.3f}")
+    print(
+        f"{label}: {total} windows; first tenth {first:.1f} win/s, last tenth {last:.1f} win/s, "
+        f"last/first {last / first:.3f}"
+    )
     dead = rows[-1].get("dead_units") if rows else None
     print(f"  dead hidden units at the end: {'not logged by this code' if dead is None else int(dead)}")
     steps = sorted(telemetry.parent.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
@@ -82,8 +84,10 @@ def report(label: str, telemetry: Path) -> None:
         sub = subnormals(steps[-1])
         top = ", ".join(f"{k} {n}" for k, n in sorted(sub.items(), key=lambda kv: -kv[1])[:4])
         print(f"  subnormal floats in {steps[-1].name}: {sum(sub.values())}" + (f" ({top})" if top else ""))
-    print("  windows/s per logged interval:", " ".join(f"{r['windows_per_second']:.0f}" for r in rows
-                                                       if r.get("windows_per_second")))
+    print(
+        "  windows/s per logged interval:",
+        " ".join(f"{r['windows_per_second']:.0f}" for r in rows if r.get("windows_per_second")),
+    )
 
 
 def resume_rounds(args: argparse.Namespace) -> int:
@@ -94,10 +98,25 @@ def resume_rounds(args: argparse.Namespace) -> int:
     for r in range(args.rounds):
         for i, repo in enumerate(Path(x).resolve() for x in (args.repo or [HERE])):
             with tempfile.TemporaryDirectory(prefix="drift_resume_") as tmp:
-                cmd = [sys.executable, str(repo / "main.py"), "--resume", str(args.resume.resolve()),
-                       "--checkpoint_dir", tmp, "--run_name", "ab", "--max_windows", str(step + args.windows),
-                       "--eval_every_windows", "0",
-                       "--log_every_windows", str(args.windows), "--eval_batches", "1", *flags]
+                cmd = [
+                    sys.executable,
+                    str(repo / "main.py"),
+                    "--resume",
+                    str(args.resume.resolve()),
+                    "--checkpoint_dir",
+                    tmp,
+                    "--run_name",
+                    "ab",
+                    "--max_windows",
+                    str(step + args.windows),
+                    "--eval_every_windows",
+                    "0",
+                    "--log_every_windows",
+                    str(args.windows),
+                    "--eval_batches",
+                    "1",
+                    *flags,
+                ]
                 t0 = time.perf_counter()
                 out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
                 wall = time.perf_counter() - t0
@@ -105,8 +124,11 @@ def resume_rounds(args: argparse.Namespace) -> int:
                     print(f"{repo} failed ({out.returncode}):\n{out.stderr[-3000:]}")
                     return 1
                 rows = [json.loads(x) for x in (Path(tmp) / "ab" / "telemetry.jsonl").read_text().splitlines()]
-                print(f"round {r + 1} repo{i} ({repo}): process {wall:.2f} s, "
-                      f"{rows[-1]['windows_per_second']:.1f} windows/s", flush=True)
+                print(
+                    f"round {r + 1} repo{i} ({repo}): process {wall:.2f} s, "
+                    f"{rows[-1]['windows_per_second']:.1f} windows/s",
+                    flush=True,
+                )
     return 0
 
 
@@ -114,10 +136,10 @@ def dead_at(step_dir: Path) -> tuple[int, int]:
     """(dead hidden units, hidden units) of a checkpoint on one training batch, with this checkout's code."""
     import torch
 
-    from trainer2.dead_units import dead_units
-    from trainer2.evaluation import load_trained
-    from trainer2.relaxation import Relaxation
-    from trainer2.sampler import Sampler
+    from trainer2.io.sampler import Sampler
+    from trainer2.physics.dead_units import dead_units
+    from trainer2.physics.relaxation import Relaxation
+    from trainer2.running.evaluation import load_trained
 
     t = load_trained(step_dir, {"device": "cpu"}, log=lambda msg: None)
     relax = Relaxation(t.machine, t.cfg, t.cfg.batch_size, t.memory)

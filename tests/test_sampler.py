@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer2.data import DataError, Sampler as RandpermSampler
-from trainer2.sampler import Sampler, permute
+from trainer2.io.data import DataError
+from trainer2.io.data import Sampler as RandpermSampler
+from trainer2.io.sampler import Sampler, permute
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 15, 16, 17, 100, 1023, 1024, 1025, 4099])
@@ -85,8 +86,8 @@ def test_a_run_with_format_1_sampler_state_resumes_bit_for_bit_through_the_train
     """A checkpoint as main wrote it before issue 26 (sampler.generator, no format): resumed by the trainer, the run
     continues in the randperm order it started with, and ends exactly where the uninterrupted run does."""
     from safetensors.torch import load_file
-
     from test_checkpoint import assert_same_checkpoint, config, quiet, run_dir
+
     from trainer2 import checkpoint as ck
 
     def legacy_run(name: str, windows: int):

@@ -6,14 +6,14 @@ import json
 
 import pytest
 import torch
-
 from test_update import make_state
 from tiny import tiny_config
+
 from trainer2.config import build_config
-from trainer2.dead_units import dead_units
-from trainer2.subnormals import count_subnormals, flush_denormal, flush_subnormals_
-from trainer2.trainer import Trainer
-from trainer2.update import flat_update
+from trainer2.learning.subnormals import count_subnormals, flush_denormal, flush_subnormals_
+from trainer2.learning.update import flat_update
+from trainer2.physics.dead_units import dead_units
+from trainer2.running.trainer import Trainer
 
 
 @pytest.fixture
@@ -28,8 +28,9 @@ def ieee_arithmetic():
 def test_flush_subnormals_zeroes_subnormals_and_keeps_every_other_value(dtype, ieee_arithmetic):
     tiny = torch.finfo(dtype).tiny
     small = torch.tensor([tiny / 3, -tiny / 1000, tiny, -tiny], dtype=dtype)
-    kept = torch.tensor([0.0, 1.0, -0.5, 3e-30, -123.0, 1.0000001 * tiny, -2 * tiny, float("inf"), float("nan")],
-                        dtype=dtype)
+    kept = torch.tensor(
+        [0.0, 1.0, -0.5, 3e-30, -123.0, 1.0000001 * tiny, -2 * tiny, float("inf"), float("nan")], dtype=dtype
+    )
     x = torch.cat([small, kept])
     flush_subnormals_([x])
     assert not x[:4].any()
@@ -72,10 +73,31 @@ def test_dead_units_counts_units_at_0_or_1_for_every_row():
 
 
 def test_the_telemetry_logs_the_dead_units_of_the_last_batch(small_text, tmp_path, ieee_arithmetic):
-    cfg = build_config([("test", dict(data=str(small_text), checkpoint_dir=str(tmp_path), run_name="t", device="cpu",
-                                      hidden_sizes=[8, 6], coord_dim_n=4, rotor_k=3, context_len=3, embed_dim=3,
-                                      batch_size=8, tbptt_window_steps=6, nudge_steps=3, max_windows=4,
-                                      log_every_windows=2, eval_every_windows=0, eval_batches=1))])
+    cfg = build_config(
+        [
+            (
+                "test",
+                dict(
+                    data=str(small_text),
+                    checkpoint_dir=str(tmp_path),
+                    run_name="t",
+                    device="cpu",
+                    hidden_sizes=[8, 6],
+                    coord_dim_n=4,
+                    rotor_k=3,
+                    context_len=3,
+                    embed_dim=3,
+                    batch_size=8,
+                    tbptt_window_steps=6,
+                    nudge_steps=3,
+                    max_windows=4,
+                    log_every_windows=2,
+                    eval_every_windows=0,
+                    eval_batches=1,
+                ),
+            )
+        ]
+    )
     trainer = Trainer(cfg, log=lambda s: None)
     with torch.no_grad():  # bias one unit of each layer far below 0, so it sits at 0 for every example
         trainer.machine.energy.biases[0][3] = -1e3

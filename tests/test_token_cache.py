@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer2 import token_cache as tc
-from trainer2.checkpoint import data_fingerprint
-from trainer2.data import DataError, load_dataset
+from trainer2.io import token_cache as tc
+from trainer2.io.data import DataError, load_dataset
+from trainer2.running.checkpoint import data_fingerprint
 
 TEXT = "The quick brown fox jumps over the lazy dog; naïve café, 42.\n"
 
@@ -34,8 +34,12 @@ def load(f: Path, where: str = "auto"):
 
 def same_as_in_memory(data, f: Path) -> bool:
     ref = load_dataset(str(f), 8, 0.1)
-    return (data.vocab == ref.vocab and torch.equal(data.train, ref.train) and torch.equal(data.heldout, ref.heldout)
-            and data.train.dtype == ref.train.dtype)
+    return (
+        data.vocab == ref.vocab
+        and torch.equal(data.train, ref.train)
+        and torch.equal(data.heldout, ref.heldout)
+        and data.train.dtype == ref.train.dtype
+    )
 
 
 def no_tokenizing(monkeypatch) -> None:
@@ -156,8 +160,8 @@ def test_off_tokenizes_in_memory_and_writes_nothing(corpus):
 
 CHILD = """
 import hashlib, sys
-from trainer2 import token_cache as tc
-from trainer2.checkpoint import data_fingerprint
+from trainer2.io import token_cache as tc
+from trainer2.running.checkpoint import data_fingerprint
 write = tc.write_cache
 def counted(*args):
     print("wrote", flush=True)
@@ -171,8 +175,10 @@ print("tokens", hashlib.sha256(data.train.numpy().tobytes() + data.heldout.numpy
 def test_two_processes_creating_the_cache_at_once_tokenize_once_and_agree(corpus):
     corpus.write_text(TEXT * 40000, encoding="utf-8")  # ~2.5 MB: long enough for the two to overlap
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(corpus)], stdout=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CHILD, str(corpus)], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     lines = "".join(outs).split()
