@@ -10,10 +10,12 @@ import json
 import subprocess
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from trainer2.config import build_config, preset_path, read_yaml
+from trainer2.io.data import Sampler as RandpermSampler
 from trainer2.running.trainer import Trainer
 
 OUT = Path(__file__).resolve().parent / "data" / "reference_50_windows.json"
@@ -41,8 +43,10 @@ def sample_positions(numel: int) -> list[int]:
 
 
 def trained_parameters(preset: str, overrides: dict) -> dict[str, torch.Tensor]:
-    """The named parameters after 50 windows (the trainer's own loop; its final save goes to a temporary dir)."""
-    with tempfile.TemporaryDirectory() as tmp:
+    """The named parameters after 50 windows (the trainer's own loop; its final save goes to a temporary dir). The
+    batches come in the order of the sampler these values were recorded with (a randperm per epoch,
+    trainer2.io.data.Sampler), so the comparison is of the machine and its learning, not of the data order."""
+    with tempfile.TemporaryDirectory() as tmp, mock.patch("trainer2.running.trainer.Sampler", RandpermSampler):
         trainer = Trainer(reference_config(preset, overrides, tmp), log=lambda *_: None)
         trainer.train()
         return {n: t.detach().clone() for n, t in zip(trainer.params.names, trainer.params.tensors, strict=True)}

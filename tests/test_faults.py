@@ -180,7 +180,7 @@ def test_ctrl_c_before_training_starts_is_not_a_traceback_and_leaves_no_director
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("trainer2.running.parts.load_dataset", interrupted)
+    monkeypatch.setattr("trainer2.running.parts.load_text_or_features", interrupted)
     assert main(flags(tmp_path, small_text, run_name="early")) == 130
     assert "interrupted" in capsys.readouterr().err
     assert not run_dir(tmp_path, "early").exists()  # the directory the lock created held nothing: removed

@@ -110,9 +110,11 @@ def test_a_diverging_loss_exits_3(tmp_path, small_text, capsys):
         eval_every_windows=0,
         lr_warmup_windows=0,
     )
-    assert main(argv) == 3
+    assert main(argv) == 3  # it exited 0 before (issue 27); the loss criteria themselves are tested above
     err = capsys.readouterr().err
-    assert "the run diverged: the training loss" in err and "Traceback" not in err
+    # Which criterion fires first (the loss above the uniform prediction, or every update dropped) depends on the
+    # data order; either way the run stops as diverged.
+    assert "the run diverged: " in err and "Traceback" not in err
     assert strict((run_dir(tmp_path, "mom") / "summary.json").read_text())["diverged"] is True
 
 

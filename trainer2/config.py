@@ -113,6 +113,13 @@ class TrainConfig(BaseModel):
     context_len: int = Field(8, ge=1, le=2**16, description="Characters of context per example (text data).")
     embed_dim: int = Field(16, ge=1, le=2**16, description="Embedding size per context character (text data).")
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of the data, by position, held out.")
+    token_cache: str = Field(
+        "auto",
+        min_length=1,
+        description="Where a text file's memory-mapped token cache lives: 'auto' (beside the file, else in "
+        "~/.cache/trainer2/tokens when that directory is read-only), a directory, or 'off' (tokenize into memory at "
+        "every start).",
+    )
 
     # --- machine ---
     layers: list[dict[str, Any]] = Field(

@@ -39,6 +39,7 @@ class Dataset:
     heldout: torch.Tensor
     train_y: torch.Tensor | None
     heldout_y: torch.Tensor | None
+    digest: str | None = None  # sha256 of the text's tokens when known (a token cache's), so nobody hashes them again
 
     def _split(self, split: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(tokens [T] or x [N, D], None or y [N]) of one split."""
@@ -136,6 +137,11 @@ def _sniff_text(path: str, size: int) -> None:
             f"{path}: {size / 2**30:.1f} GiB of text would need about as much memory for its tokens, but "
             f"{free / 2**30:.1f} GiB is free; use a smaller file"
         )
+    refuse_binary(path)
+
+
+def refuse_binary(path: str) -> None:
+    """Refuse a file that holds NUL bytes in its first chunk: a binary file, or a file of zeros, is no corpus."""
     try:
         with open(path, "rb") as f:
             head = f.read(TEXT_CHUNK)
@@ -203,14 +209,7 @@ def _text_dataset(
         length += len(text)
     if not length:
         raise DataError(f"{source}: file is empty; expected UTF-8 text")
-    n_train = length - round(length * heldout_fraction)
-    need = context_len + 1  # one full window plus its target
-    for split, size in (("train", n_train), ("heldout", length - n_train)):
-        if size < need:
-            raise DataError(
-                f"{source}: too short: the {split} split has {size} characters but needs at least {need} "
-                f"(context_len + 1); the text has {length} characters in total"
-            )
+    text_split_sizes(length, source, context_len, heldout_fraction)  # refuse a short text before tokenizing it
     # Vocabulary over the whole text (sorted by code point), so held-out never contains an unknown character.
     present = np.flatnonzero(seen)
     vocab = [chr(c) for c in present]
@@ -227,6 +226,27 @@ def _text_dataset(
         pos = end
     if pos != length:
         raise changed
+    return text_split(tokens, vocab, source, context_len, heldout_fraction)
+
+
+def text_split_sizes(length: int, source: str, context_len: int, heldout_fraction: float) -> int:
+    """Characters of the train split of a text of `length`; a split too short for one window is a DataError."""
+    n_train = length - round(length * heldout_fraction)
+    need = context_len + 1  # one full window plus its target
+    for split, size in (("train", n_train), ("heldout", length - n_train)):
+        if size < need:
+            raise DataError(
+                f"{source}: too short: the {split} split has {size} characters but needs at least {need} "
+                f"(context_len + 1); the text has {length} characters in total"
+            )
+    return n_train
+
+
+def text_split(
+    tokens: torch.Tensor, vocab: list[str], source: str, context_len: int, heldout_fraction: float
+) -> Dataset:
+    """The text data set over tokens [T] (ids into vocab; in memory or mapped from a file): train, then held-out."""
+    n_train = text_split_sizes(len(tokens), source, context_len, heldout_fraction)
     return Dataset(
         kind="text",
         source=source,

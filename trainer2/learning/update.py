@@ -15,6 +15,7 @@ from torch import Tensor
 from trainer2.config import TrainConfig
 from trainer2.learning.gradients import StepResult
 from trainer2.learning.params import GROUPS, ParamTable
+from trainer2.learning.subnormals import flush_subnormals_
 from trainer2.physics.machine import Machine, project_constraints
 
 
@@ -67,6 +68,7 @@ def flat_update(
 ) -> Tensor:
     """One step of every parameter at once, over flat (P,) buffers: heavy-ball (buf = momentum * buf + grad,
     p -= lr * mult * buf) or Adam (momentum as beta1, bias-corrected); grad includes decay * p; mult None is 1.
+    Subnormal entries of the moments end as 0 (trainer2.learning.subnormals).
 
     A non-finite gradient anywhere drops the whole update (buffers and parameters untouched) by a
     device-side mask, counted in st.dropped; nothing syncs with the host. grad is used as scratch; step
@@ -95,6 +97,8 @@ def flat_update(
     if mult is not None:
         step.mul_(mult)
     param.sub_(step)
+    # Snap subnormals to 0: a zero-gradient entry's moments decay into them and stick there, slowing every later window
+    flush_subnormals_([st.bufs, st.sq] if st.sq.numel() else [st.bufs])
     st.dropped.add_(1.0 - ok)
     return ok
 

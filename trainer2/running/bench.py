@@ -25,8 +25,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from trainer2.config import ConfigError, TrainConfig
 from trainer2.flags import add_config_flags, resolve_config
-from trainer2.io.data import Dataset, Sampler, load_dataset
+from trainer2.io.data import Dataset, Sampler
 from trainer2.io.profiling import PhaseTimer, drop_kineto_markers
+from trainer2.io.token_cache import load_text_or_features
 from trainer2.learning.step import BatchStep, build_step
 from trainer2.physics.nudge import NudgeScheme
 from trainer2.running.parts import build_parts, resolve_device
@@ -344,7 +345,7 @@ def run(argv: list[str]) -> tuple[list[Row], str]:
     if any(b < 1 for b in sizes):
         raise ConfigError(f"--batch_sizes must be >= 1, got {sizes}")
     device = resolve_device(cfg)
-    data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
+    data = load_text_or_features(cfg.data, cfg.context_len, cfg.heldout_fraction, cfg.token_cache)
     torch._dynamo.reset()
     rows = []
     for b in sizes:

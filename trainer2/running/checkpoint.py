@@ -67,6 +67,7 @@ RESUME_FREE_FIELDS = frozenset(
         "cleanup_threshold",
         "tensorboard",
         "dist_timeout_seconds",
+        "token_cache",  # where the tokens are cached; the data fingerprint says whether they are the same tokens
         # per process: the global batch (batch_size x world size) is what must match, checked by Trainer.load_checkpoint
         "batch_size",
         # the data file's path: its contents must match, checked by their fingerprint (check_data), so a moved file
@@ -336,17 +337,20 @@ def check_config(saved: dict[str, Any], cfg: TrainConfig, source: Path) -> None:
 
 def data_fingerprint(data: Dataset) -> dict[str, Any]:
     """What identifies the data: source, vocabulary, split sizes and a sha256 of every split's contents."""
-    h = hashlib.sha256()
-    for t in (data.train, data.heldout, data.train_y, data.heldout_y):
-        if t is not None:
-            h.update(t.contiguous().numpy())  # the buffer itself: no copy of a 100 MB corpus
+    digest = data.digest  # a token cache's: the same hash, taken when the cache was made
+    if digest is None:
+        h = hashlib.sha256()
+        for t in (data.train, data.heldout, data.train_y, data.heldout_y):
+            if t is not None:
+                h.update(t.contiguous().numpy())  # the buffer itself: no copy of a 100 MB corpus
+        digest = h.hexdigest()
     return {
         "source": data.source,
         "kind": data.kind,
         "vocab": data.vocab,
         "num_train": data.num_examples("train"),
         "num_heldout": data.num_examples("heldout"),
-        "sha256": h.hexdigest(),
+        "sha256": digest,
     }
 
 

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from trainer2.config import ConfigError, TrainConfig
-from trainer2.io.data import Dataset, load_dataset
+from trainer2.io.data import Dataset
 from trainer2.io.sizes import check_sizes
+from trainer2.io.token_cache import load_text_or_features
+from trainer2.learning.subnormals import flush_denormal
 from trainer2.physics.machine import Machine, build_machine
 from trainer2.physics.memory import MemoryBank
 
@@ -46,7 +48,9 @@ def build_parts(
     """Load the data (unless given), check that what the config implies fits the data and the memory of `device` (for
     `world` processes), then build a fresh machine on it and its memory bank for `batch` rows per write
     (cfg.batch_size unless given); the same config and seed always give the same parts."""
-    data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction) if data is None else data
+    flush_denormal()  # this thread's CPU arithmetic skips the slow subnormals (trainer2.learning.subnormals)
+    if data is None:
+        data = load_text_or_features(cfg.data, cfg.context_len, cfg.heldout_fraction, cfg.token_cache)
     text = data.kind == "text"
     check_sizes(cfg, data.num_classes, data.input_dim, text, data.num_examples("train"), world, device)
     machine = build_machine(cfg, data.num_classes, data.input_dim, text, device)

@@ -20,13 +20,16 @@ from torch import Tensor
 from tqdm import tqdm
 
 from trainer2.config import ConfigError, TrainConfig, to_yaml
-from trainer2.io.data import Dataset, Sampler
+from trainer2.io.data import DataError, Dataset
 from trainer2.io.safeio import write_replace
+from trainer2.io.sampler import STATE_KEYS as SAMPLER_KEYS
+from trainer2.io.sampler import Sampler, sampler_state
 from trainer2.io.telemetry import Monitor
 from trainer2.learning.gradients import GradientSource, ep_gradients
 from trainer2.learning.params import ParamTable
 from trainer2.learning.step import BatchStep, build_step
 from trainer2.learning.update import Updater
+from trainer2.physics.dead_units import dead_units
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.relaxation import Relaxation
@@ -287,7 +290,8 @@ class Trainer:
         """One device-to-host transfer of every accumulated metric, then reset the accumulators."""
         st = self.updater.state
         self.dist.check_in(self.updater.metrics.values, self.params.tensors, everywhere=True)  # all ranks' sums
-        sums, (lr, dropped_total) = self.updater.metrics.read(st.lr, st.dropped)
+        dead = dead_units(self.relaxation.s0.s[:-1], self.device)  # at the last window's free equilibrium
+        sums, (lr, dropped_total, dead) = self.updater.metrics.read(st.lr, st.dropped, dead)
         wins, ex = max(sums["windows"], 1.0), max(sums["examples"], 1.0)
         loss = sums["loss_sum"] / ex
         row: dict[str, Any] = {
@@ -313,6 +317,7 @@ class Trainer:
             "update_norm_embed",
         ):
             row[k] = sums[k] / wins
+        row["dead_units"] = int(dead)  # hidden units at 0 or 1 for the whole last batch (trainer2.physics.dead_units)
         row["nonfinite_params"] = sums["nonfinite_params"]  # windows of the interval that left a parameter non-finite
         row["lior_diff"] = row["lior_nudge"] - row["lior_mean"]  # the nudge's extra path length
         t0, w0 = self._interval
@@ -390,9 +395,7 @@ class Trainer:
         """Copy a checkpoint's state into the live tensors in place and restore sampler, RNG, counters and history."""
         for k, dst in self.state_tensors().items():
             dst.copy_(tensors[k])
-        self.sampler.load_state_dict(
-            {k.removeprefix("sampler."): v for k, v in tensors.items() if k.startswith("sampler.")}
-        )
+        self.sampler.load_state_dict(sampler_state(tensors))
         torch.set_rng_state(tensors["rng.cpu"])
         if self.device.type == "cuda" and "rng.cuda" in tensors:
             torch.cuda.set_rng_state(tensors["rng.cuda"], self.device)
@@ -427,8 +430,12 @@ class Trainer:
         copied."""
         path = Path(path)
         loaded, meta = ck.load_checked(
-            path, self.cfg, self.data, self.checkpoint_tensors(), optional=frozenset({"rng.cuda"})
+            path, self.cfg, self.data, self.checkpoint_tensors(), optional=frozenset({"rng.cuda"}) | SAMPLER_KEYS
         )
+        try:  # the sampler checks its own state, in one of two formats (trainer2.io.sampler), on a throwaway copy
+            Sampler(self.sampler.num_examples, self.sampler.batch_size, 0).load_state_dict(sampler_state(loaded))
+        except DataError as e:
+            raise ck.CheckpointError(f"{path / ck.TENSORS_FILE}: {e}") from None
         if meta["data"].get("source") != self.data.source:
             self.log(
                 f"note: the data is read from {self.data.source}, the checkpoint's from {meta['data'].get('source')}; "

@@ -1,0 +1,143 @@
+"""Shuffled epochs without an O(N) permutation: a seeded Feistel bijection of [0, N) per epoch, with cycle walking.
+
+Position p of epoch e maps to example perm_e(p): a Feistel network over the smallest even number of bits b with
+2^b >= N permutes [0, 2^b); applying it again while the result is >= N (cycle walking) restricts it to a bijection
+of [0, N), at most ~4 applications on average since 2^b < 4N. The state is five integers whatever N is, and any
+position of any epoch is computed directly, so a resume mid-epoch continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from trainer2.io.data import DataError
+from trainer2.io.data import Sampler as RandpermSampler
+
+FORMAT = 2  # sampler state format: 1 = torch.randperm epochs (checkpoints before issue 26), 2 = this Feistel sampler
+ROUNDS = 6  # Feistel rounds; 4 already give a pseudo-random permutation for a random round function
+MASK64 = (1 << 64) - 1
+KEYS = ("format", "seed", "num_examples", "epoch", "pos")
+LEGACY_KEYS = ("generator", "num_examples", "epoch", "pos")
+STATE_KEYS = frozenset(f"sampler.{k}" for k in KEYS + LEGACY_KEYS)  # a checkpoint holds one of the two sets
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finaliser of a Python int (taken mod 2^64): a well-spread 64-bit hash."""
+    x &= MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def mix64_array(x: np.ndarray) -> np.ndarray:
+    """mix64 over a uint64 array (multiplication wraps mod 2^64, as numpy's unsigned arrays do)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def round_keys(seed: int, epoch: int) -> list[np.uint64]:
+    """The ROUNDS round keys of one epoch, from (seed, epoch) alone."""
+    base = mix64(mix64(seed) ^ (epoch * 0x9E3779B97F4A7C15))
+    return [np.uint64(mix64(base + r)) for r in range(ROUNDS)]
+
+
+def feistel(x: np.ndarray, keys: list[np.uint64], half: int) -> np.ndarray:
+    """A bijection of [0, 2^(2 half)) applied to uint64 [K]: balanced Feistel rounds with a hashed round function."""
+    mask = np.uint64((1 << half) - 1)
+    shift = np.uint64(half)
+    left, right = x >> shift, x & mask
+    for k in keys:
+        left, right = right, left ^ (mix64_array(right ^ k) & mask)
+    return (left << shift) | right
+
+
+def permute(positions: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
+    """perm_e(p) for uint64 positions [K] in [0, n): epoch `epoch`'s bijection of [0, n), by cycle walking."""
+    bits = max(2, (n - 1).bit_length())
+    half = (bits + 1) // 2
+    keys = round_keys(seed, epoch)
+    out = feistel(positions, keys, half)
+    outside = out >= n
+    while outside.any():  # each walk ends: the cycle through a position in [0, n) comes back into [0, n)
+        out[outside] = feistel(out[outside], keys, half)
+        outside = out >= n
+    return out
+
+
+class Sampler:
+    """Shuffled epochs of fixed-size batches over `num_examples`; each epoch is a seeded bijection of the examples.
+
+    O(1) state (format, seed, num_examples, epoch, pos). A checkpoint with the randperm sampler's state (format 1,
+    trainer2 before issue 26) continues with that sampler, in the same order as before."""
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int) -> None:
+        if batch_size < 1:
+            raise DataError(f"batch_size must be at least 1, got {batch_size}")
+        if batch_size > num_examples:
+            raise DataError(f"batch_size {batch_size} is larger than the number of examples {num_examples}")
+        self.num_examples = num_examples
+        self.batch_size = batch_size
+        self.batches_per_epoch = num_examples // batch_size
+        self.seed = seed % (1 << 63)  # stored as int64
+        self._epoch = 0
+        self._pos = 0
+        self._legacy: RandpermSampler | None = None  # set by loading a format-1 state
+
+    @property
+    def epoch(self) -> int:
+        return self._legacy.epoch if self._legacy is not None else self._epoch
+
+    def next(self) -> torch.Tensor:
+        """Next int64 [batch_size] of example indices; the ragged tail of each epoch is dropped so shapes stay fixed."""
+        if self._legacy is not None:
+            return self._legacy.next()
+        if self._pos + self.batch_size > self.num_examples:
+            self._epoch, self._pos = self._epoch + 1, 0
+        positions = np.arange(self._pos, self._pos + self.batch_size, dtype=np.uint64)
+        self._pos += self.batch_size
+        return torch.from_numpy(permute(positions, self.num_examples, self.seed, self._epoch).astype(np.int64))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """All state as int64 [] tensors (format 2), or the randperm sampler's (format 1) when resumed from one."""
+        if self._legacy is not None:
+            return self._legacy.state_dict()
+        values = (FORMAT, self.seed, self.num_examples, self._epoch, self._pos)
+        return {k: torch.tensor(v, dtype=torch.int64) for k, v in zip(KEYS, values, strict=True)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore from state_dict() of either format; afterwards next() continues exactly as the saved sampler."""
+        if "generator" in state and "format" not in state:  # format 1: keep its randperm order
+            legacy = RandpermSampler(self.num_examples, self.batch_size, 0)
+            legacy.load_state_dict(state)
+            self._legacy = legacy
+            return
+        missing = set(KEYS) - state.keys()
+        if missing:
+            raise DataError(
+                f"sampler state is missing {sorted(missing)}; expected format {FORMAT} ({', '.join(KEYS)}) "
+                f"or format 1 ({', '.join(LEGACY_KEYS)})"
+            )
+        if int(state["format"]) != FORMAT:
+            raise DataError(
+                f"sampler state has format {int(state['format'])}; this trainer reads format {FORMAT} "
+                "(Feistel epochs) and format 1 (randperm epochs)"
+            )
+        if int(state["num_examples"]) != self.num_examples:
+            raise DataError(
+                f"sampler state is for {int(state['num_examples'])} examples, "
+                f"expected {self.num_examples} (the data set changed?)"
+            )
+        pos = int(state["pos"])
+        if not 0 <= pos <= self.num_examples:
+            raise DataError(f"sampler state has position {pos}, expected 0..{self.num_examples}")
+        self._legacy = None
+        self.seed, self._epoch, self._pos = int(state["seed"]), int(state["epoch"]), pos
+
+
+def sampler_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The sampler's entries of a checkpoint's tensors, without their "sampler." prefix."""
+    return {k.removeprefix("sampler."): v for k, v in tensors.items() if k.startswith("sampler.")}
