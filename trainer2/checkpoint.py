@@ -42,7 +42,7 @@ RESUME_FREE_FIELDS = frozenset({
     "cudnn_benchmark", "cudnn_deterministic", "allow_tf32",
     "max_windows", "max_epochs", "log_every_windows", "eval_every_windows", "eval_batches",
     "save_every_windows", "keep_last", "step_progress_every", "timing_debug",
-    "compile_mode", "profile_windows", "cleanup_every", "cleanup_threshold", "tensorboard", "dist_timeout_seconds",
+    "compile_mode", "window_backend", "profile_windows", "cleanup_every", "cleanup_threshold", "tensorboard", "dist_timeout_seconds",
     # per process: the global batch (batch_size x world size) is what must match, checked by Trainer.load_checkpoint
     "batch_size",
 })

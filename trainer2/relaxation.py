@@ -16,9 +16,10 @@ from torch import Tensor
 from trainer2.config import TrainConfig
 from trainer2.energy import input_drive
 from trainer2.geometry import Candidates, ReadoutFrame, ReadoutResult, readout_frame, readout_loss_and_grads, readout_scores
+from trainer2.kernels.backend import choose_backend, make_window  # issue 24 hook
 from trainer2.machine import Machine
 from trainer2.memory import MemoryBank
-from trainer2.window import FoldBlocks, FoldedFrame, Integrator, State, Workspace, fold_frame, set_nudge_scale, window_function
+from trainer2.window import FoldBlocks, FoldedFrame, Integrator, State, Workspace, fold_frame, set_nudge_scale
 
 
 @dataclass
@@ -54,7 +55,9 @@ class Relaxation:
         sizes = machine.state_sizes()
         num_cand = machine.num_classes + (0 if memory is None else memory.coords.shape[0])
         self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass)
-        self.window = window_function(self.integ)  # chosen once per run, not per step
+        # issue 24 hook: the window's backend (torch operators, or one Triton launch per phase), chosen once per run
+        self.backend = choose_backend(cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand)
+        self.window = make_window(self.backend, self.integ)  # chosen once per run, not per step
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
         betas = [cfg.beta_nudge, -cfg.beta_nudge] if cfg.symmetric_nudge else [cfg.beta_nudge]
         self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.tbptt_window_steps, [0.0], like, self.integ.fixed_point)

@@ -140,6 +140,7 @@ class Trainer:
         self.log("config:\n" + to_yaml(cfg).rstrip())
         self.log(f"data: {self.data.source} ({self.data.kind}, {self.data.num_examples('train')} train / "
                  f"{self.data.num_examples('heldout')} held-out examples, {self.data.num_classes} classes); device: {self.device}")
+        self.log(f"window backend: {self.relaxation.backend.name} ({self.relaxation.backend.reason})")
         quiet = {} if self.dist.is_main else {"disable": True}  # only rank 0 shows a bar
         bar = tqdm(total=total, initial=self.progress.window, desc=cfg.run_name, unit="win", dynamic_ncols=True, mininterval=1.0, **quiet)
         if not bar.disable and not getattr(bar.fp, "isatty", lambda: False)():
@@ -389,6 +390,7 @@ class Trainer:
             "windows": self.progress.window, "examples_seen": self.progress.examples, "wall_seconds": wall,
             "windows_per_second": self.progress.window / wall if wall > 0 else 0.0,
             "dropped_updates": float(self.updater.state.dropped), "device": str(self.device),
+            "window_backend": self.relaxation.backend.name,
             "interrupted": interrupted, "diverged": diverged is not None, **({"error": diverged} if diverged else {}),
         }
         summary = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}

@@ -1,0 +1,63 @@
+"""--window_backend: auto keeps torch on the CPU, asking for triton where it cannot run is one clear message (no
+traceback), and old checkpoints still resume (the field is free on resume). Needs no triton."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tiny import tiny_config, tiny_machine
+from trainer2.cli import main
+from trainer2.config import ConfigError
+from trainer2.kernels import backend
+from trainer2.relaxation import Relaxation
+from trainer2.window import Integrator, fixed_point_window, leapfrog_window
+
+FIXED = Integrator(1.0, 1.0, 1.0)
+
+
+def relax(**overrides) -> Relaxation:
+    cfg = tiny_config(**overrides)
+    return Relaxation(tiny_machine(cfg), cfg, cfg.batch_size)
+
+
+def test_auto_and_torch_take_the_torch_window_on_the_cpu():
+    for requested in ("auto", "torch"):
+        r = relax(window_backend=requested)
+        assert r.backend.name == "torch" and r.window is fixed_point_window
+    r = relax(dt=0.5)
+    assert r.backend.name == "torch" and r.window is leapfrog_window and "fixed-point" in r.backend.reason
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    (dict(dt=0.5), "fixed-point iteration only"),
+    (dict(hidden_sizes=[300]), "at most 256 hidden units"),
+    (dict(hidden_sizes=[4, 4, 4, 4]), "1 to 3 hidden layers"),
+])
+def test_triton_where_it_cannot_run_is_a_config_error_naming_the_reason(overrides, reason):
+    with pytest.raises(ConfigError, match="window_backend: triton cannot run here") as e:
+        relax(window_backend="triton", **overrides)
+    assert reason in str(e.value)
+
+
+def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reason = backend.triton_blocker(backend.torch.device("cpu"), backend.torch.float64, FIXED, [12, 4], 7)
+    assert "CUDA device" in reason and "TRITON_INTERPRET=1" in reason
+
+
+def test_triton_missing_is_named(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    reason = backend.triton_blocker(backend.torch.device("cpu"), backend.torch.float64, FIXED, [12, 4], 7)
+    assert reason == "triton is not installed (pip install -e '.[kernels]')"
+    assert backend.choose_backend("auto", backend.torch.device("cuda"), backend.torch.float32, FIXED, [12, 4], 7).name == "torch"
+
+
+def test_the_cli_prints_one_line_not_a_traceback(tmp_path, small_text, capsys):
+    code = main(["--data", str(small_text), "--checkpoint_dir", str(tmp_path), "--device", "cpu", "--max_windows", "1",
+                 "--hidden_sizes", "8", "--batch_size", "4", "--window_backend", "triton", "--dt", "0.5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "window_backend: triton cannot run here" in err and "Traceback" not in err
