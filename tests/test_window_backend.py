@@ -49,11 +49,13 @@ def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
 
 def test_triton_missing_is_named(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    monkeypatch.setattr(backend.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     reason = backend.triton_blocker(backend.torch.device("cpu"), backend.torch.float64, FIXED, [12, 4], 7)
     assert reason == "triton is not installed (pip install -e '.[kernels]')"
-    assert backend.choose_backend("auto", backend.torch.device("cuda"), backend.torch.float32, FIXED, [12, 4], 7).name == "torch"
+    cuda = backend.choose_backend("auto", backend.torch.device("cuda"), backend.torch.float32, FIXED, [12, 4], 7)
+    assert cuda.name == "torch" and "not installed" in cuda.reason
 
 
 def test_the_cli_prints_one_line_not_a_traceback(tmp_path, small_text, capsys):

@@ -37,13 +37,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
-def triton_blocker(device: torch.device, dtype: torch.dtype, integ: Integrator, sizes: list[int], candidates: int) -> str | None:
+def triton_blocker(device: torch.device, dtype: torch.dtype, integ: Integrator, sizes: list[int],
+                   candidates: int) -> str | None:
     """Why the Triton window cannot run for this machine on this device (sizes = [H_1, ..., H_M, n]), or None."""
     if not integ.fixed_point:
-        return (f"the kernels run the fixed-point iteration only (dt = gamma = mass = 1), this run has dt {integ.dt:g}, "
-                f"gamma {integ.gamma:g}, mass {integ.mass:g}")
+        return (f"the kernels run the fixed-point iteration only (dt = gamma = mass = 1), this run has "
+                f"dt {integ.dt:g}, gamma {integ.gamma:g}, mass {integ.mass:g}")
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
-        return f"the device is {device.type}: Triton kernels need a CUDA device (or the CPU with TRITON_INTERPRET=1, for tests)"
+        return (f"the device is {device.type}: Triton kernels need a CUDA device "
+                "(or the CPU with TRITON_INTERPRET=1, for tests)")
     for module in ("triton", "numpy") if interpreting() else ("triton",):
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed (pip install -e '.[kernels]')"
@@ -57,8 +59,9 @@ def triton_blocker(device: torch.device, dtype: torch.dtype, integ: Integrator, 
     if not 1 <= depth <= MAX_DEPTH:
         return f"the kernels support 1 to {MAX_DEPTH} hidden layers, this machine has {depth}"
     if hidden > MAX_HIDDEN or n > MAX_COORDS or candidates > MAX_CANDIDATES:
-        return (f"the kernels hold whole layers on chip: at most {MAX_HIDDEN} hidden units, {MAX_COORDS} coordinates and "
-                f"{MAX_CANDIDATES} candidates (prototypes + memory slots), this machine has {hidden}, {n} and {candidates}")
+        return (f"the kernels hold whole layers on chip: at most {MAX_HIDDEN} hidden units, {MAX_COORDS} coordinates "
+                f"and {MAX_CANDIDATES} candidates (prototypes + memory slots), this machine has {hidden}, {n} and "
+                f"{candidates}")
     return None
 
 
@@ -89,8 +92,8 @@ class TritonWindow:
         self.free, self.nudged = free_window, nudged_window
         self.launches = 0
 
-    def __call__(self, ws: Workspace, params: EnergyParams, frame: ReadoutFrame, fold: FoldedFrame, start: int, steps: int,
-                 nudged: bool, integ: Integrator, one_hot: bool) -> None:
+    def __call__(self, ws: Workspace, params: EnergyParams, frame: ReadoutFrame, fold: FoldedFrame, start: int,
+                 steps: int, nudged: bool, integ: Integrator, one_hot: bool) -> None:
         if nudged:
             self.nudged(ws, params, fold, start, steps, one_hot)
         else:

@@ -9,14 +9,16 @@ import triton.language as tl
 def load_tile(ptr, stride, n_rows, n_cols, PR: tl.constexpr, PC: tl.constexpr):
     """A (PR, PC) tile of a row-major matrix (n_rows, n_cols) with row stride `stride`, zero outside it."""
     r, c = tl.arange(0, PR), tl.arange(0, PC)
-    return tl.load(ptr + r[:, None] * stride + c[None, :], mask=(r[:, None] < n_rows) & (c[None, :] < n_cols), other=0.0)
+    inside = (r[:, None] < n_rows) & (c[None, :] < n_cols)
+    return tl.load(ptr + r[:, None] * stride + c[None, :], mask=inside, other=0.0)
 
 
 @triton.jit
 def load_rows(ptr, rows, n_rows, n_cols, PC: tl.constexpr):
     """Rows `rows` (BR,) of a contiguous (n_rows, n_cols) matrix as a (BR, PC) tile, zero outside it."""
     c = tl.arange(0, PC)
-    return tl.load(ptr + rows[:, None] * n_cols + c[None, :], mask=(rows[:, None] < n_rows) & (c[None, :] < n_cols), other=0.0)
+    inside = (rows[:, None] < n_rows) & (c[None, :] < n_cols)
+    return tl.load(ptr + rows[:, None] * n_cols + c[None, :], mask=inside, other=0.0)
 
 
 @triton.jit
@@ -43,7 +45,8 @@ def box(x):
 
 
 @triton.jit
-def load_couplings(w2_ptr, w3_ptr, wo, H1, H2, H3, DEPTH: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr):
+def load_couplings(w2_ptr, w3_ptr, wo, H1, H2, H3, DEPTH: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                   P3: tl.constexpr):
     """The hidden-to-hidden couplings W_2 (P2, P1) and W_3 (P3, P2) a chain of DEPTH layers has; wo stands in for
     the others (never read)."""
     if DEPTH >= 2:
@@ -91,7 +94,8 @@ def hidden_step(h1, h2, h3, q, drive, w2, w3, wo, b2, b3, DEPTH: tl.constexpr):
 
 @triton.jit
 def speed(v, lt, c_eps):
-    """spd = |v L^T, sqrt(eps)| (BR,) of the velocities v (BR, NP); lt is the (NP, NP) tile of L^T, c_eps = sqrt(eps)."""
+    """spd = |v L^T, sqrt(eps)| (BR,) of the velocities v (BR, NP); lt is the (NP, NP) tile of L^T, c_eps the
+    square root of eps."""
     z = mm(v, lt)
     return tl.sqrt(tl.sum(z * z, axis=1) + c_eps * c_eps)
 
@@ -117,4 +121,5 @@ def chain_args(ws, params) -> dict:
     return dict(h1_ptr=h[0], h2_ptr=h[1], h3_ptr=h[2], q_ptr=s[-1], drive_ptr=ws.drive, w2_ptr=w23[0], w3_ptr=w23[1],
                 wo_ptr=w[depth], b2_ptr=b23[0], b3_ptr=b23[1], bo_ptr=b[depth], rows=ws.drive.shape[0],
                 H1=sizes[0], H2=sizes[1], H3=sizes[2], N=n, HM=sizes[depth - 1], DEPTH=depth, BR=BLOCK_ROWS,
-                P1=padded(sizes[0]), P2=padded(sizes[1]), P3=padded(sizes[2]), PM=padded(sizes[depth - 1]), NP=padded(n))
+                P1=padded(sizes[0]), P2=padded(sizes[1]), P3=padded(sizes[2]), PM=padded(sizes[depth - 1]),
+                NP=padded(n))

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from trainer2.energy import EnergyParams
-from trainer2.kernels.chain import (chain_args, hidden_step, load_couplings, load_rows, load_tile, load_vec, mm, padded, speed,
-                                    store_rows, top_layer)
+from trainer2.kernels.chain import (chain_args, hidden_step, load_couplings, load_rows, load_tile, load_vec, mm, padded,
+                                    speed, store_rows, top_layer)
 from trainer2.window import FoldedFrame, Workspace
 
 
@@ -88,7 +88,8 @@ def nudged_phase_kernel(h1_ptr, h2_ptr, h3_ptr, q_ptr, drive_ptr, w2_ptr, w3_ptr
     store_rows(q_ptr, q, r, rows, N, NP)
 
 
-def nudged_window(ws: Workspace, params: EnergyParams, fold: FoldedFrame, start: int, steps: int, one_hot: bool) -> None:
+def nudged_window(ws: Workspace, params: EnergyParams, fold: FoldedFrame, start: int, steps: int,
+                  one_hot: bool) -> None:
     """`steps` nudged fixed-point steps of every stacked row of ws in one launch (beta per row from set_nudge_scale);
     fills ws.q_hist and ws.spd_hist as fixed_point_window does."""
     args = chain_args(ws, params)
