@@ -129,7 +129,8 @@ def test_the_triton_backend_really_launches_the_kernels(monkeypatch):
 
 
 def test_a_training_run_with_triton_matches_torch(tmp_path, small_text):
-    """100 windows of EP training (float64) on each backend: the same parameters, and summary.json names the backend."""
+    """100 windows of EP training (float64) on each backend: the same parameters and held-out loss; summary.json names
+    the backend."""
     base = dict(hidden_sizes=[10, 8], coord_dim_n=4, rotor_k=4, context_len=3, embed_dim=3, batch_size=8,
                 tbptt_window_steps=10, nudge_steps=6, beta_nudge=0.003, r_init=4.0, proto_init_scale=0.3, eta_update=0.01,
                 max_windows=100, log_every_windows=50, eval_every_windows=0, eval_batches=1, dtype="float64",
@@ -145,8 +146,10 @@ def test_a_training_run_with_triton_matches_torch(tmp_path, small_text):
     (tri, tri_summary), (ref, ref_summary) = runs["triton"], runs["torch"]
     assert tri_summary["window_backend"] == "triton" and ref_summary["window_backend"] == "torch"
     assert tri.relaxation.window.launches == 2 * 100
-    torch.testing.assert_close(tri.machine.flat, ref.machine.flat, rtol=1e-7, atol=1e-9)
-    assert abs(tri_summary["heldout_loss"] - ref_summary["heldout_loss"]) <= 1e-7 * ref_summary["heldout_loss"]
+    # Each window agrees to rounding (1e-16); 100 Adam steps magnify that where a gradient is near zero (Adam divides by
+    # its size), to about 1e-6 of the largest parameter here. A wrong window is off by about the learning rate (1e-2).
+    assert_near(tri.machine.flat, ref.machine.flat, 1e-5, "parameters after 100 windows")
+    assert abs(tri_summary["heldout_loss"] - ref_summary["heldout_loss"]) <= 1e-6 * ref_summary["heldout_loss"]
 
 
 def test_the_triton_ep_gradient_is_the_exact_gradient():
@@ -207,3 +210,13 @@ def test_bench_times_the_triton_window_as_a_mode(small_text, monkeypatch):
     # the triton mode's 5 warm-up (warmup_steps 3 + 2), 2 timed and 1 profiled windows; none from eager or the phase table
     assert len(spy.grids) == 5 + 2 + 1
     assert graph.note == "n/a (CUDA graphs need a CUDA device)" and "triton+graph" in table
+
+
+def test_a_tensor_in_another_layout_is_refused_not_misread():
+    (tri,) = relaxations(("triton",), 0)
+    inputs, targets = tiny_batch(tri.cfg)
+    with torch.no_grad():
+        free = tri.free_phase(inputs, targets)
+        tri.ws.state.s[0] = tri.ws.state.s[0].T.contiguous().T  # the same values, column-major
+        with pytest.raises(ValueError, match="not contiguous"):
+            tri.window(tri.ws, tri.m.energy, free.frame, free.fold, 0, 3, False, tri.integ, tri.one_hot)

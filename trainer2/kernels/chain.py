@@ -108,10 +108,20 @@ def padded(size: int) -> int:
     return max(16, triton.next_power_of_2(size))
 
 
+def row_major(*tensors) -> None:
+    """The kernels address row r of a matrix at r * width (or its row stride) and columns at unit stride: refuse any
+    other layout (a transposed or sliced view) rather than read the wrong numbers. Metadata only, no tensor work."""
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError(f"Triton window: a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not "
+                             "contiguous; the kernels need row-major tensors (the workspace allocates them so)")
+
+
 def chain_args(ws, params) -> dict:
     """The kernel arguments of the hidden chain and q for a workspace: the state tensors, drive, couplings, their
     sizes and tiles. Layers a shallower chain lacks are stood in for by h_1 (never read: DEPTH is a constexpr)."""
     s, w, b = ws.state.s, params.weights, params.biases
+    row_major(*s, ws.drive, *w, *b, ws.q_hist, ws.spd_hist)
     depth = len(s) - 1
     h = s[:-1] + [s[0]] * (3 - depth)
     w23 = w[1:depth] + [w[0]] * (3 - depth)

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from trainer2.energy import EnergyParams
-from trainer2.kernels.chain import (chain_args, hidden_step, load_couplings, load_rows, load_tile, load_vec, mm, speed,
-                                    store_rows, top_layer)
+from trainer2.kernels.chain import (chain_args, hidden_step, load_couplings, load_rows, load_tile, load_vec, mm, row_major,
+                                    speed, store_rows, top_layer)
 from trainer2.window import FoldedFrame, Workspace
 
 
@@ -52,6 +52,7 @@ def free_window(ws: Workspace, params: EnergyParams, fold: FoldedFrame, start: i
     """`steps` free fixed-point steps from ws.state in one launch; fills ws.q_hist[start:start + steps + 1] and
     ws.spd_hist[start:start + steps] as fixed_point_window does (its ws.vel and ws.zv_hist scratch stays untouched)."""
     args = chain_args(ws, params)
+    row_major(fold.lt, fold.c)
     grid = (triton.cdiv(args["rows"], args["BR"]),)
     free_phase_kernel[grid](lt_ptr=fold.lt, lt_stride=fold.lt.stride(0), c_ptr=fold.c, qh_ptr=ws.q_hist,
                             spd_ptr=ws.spd_hist, start=start, steps=steps, **args)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from trainer2.energy import EnergyParams
 from trainer2.kernels.chain import (chain_args, hidden_step, load_couplings, load_rows, load_tile, load_vec, mm, padded,
-                                    speed, store_rows, top_layer)
+                                    row_major, speed, store_rows, top_layer)
 from trainer2.window import FoldedFrame, Workspace
 
 
@@ -93,6 +93,8 @@ def nudged_window(ws: Workspace, params: EnergyParams, fold: FoldedFrame, start:
     """`steps` nudged fixed-point steps of every stacked row of ws in one launch (beta per row from set_nudge_scale);
     fills ws.q_hist and ws.spd_hist as fixed_point_window does."""
     args = chain_args(ws, params)
+    row_major(fold.lt, fold.c, fold.mq_nudge, fold.yc2, fold.caug, fold.bias, ws.mask_beta, ws.target_mask, ws.beta_col,
+              ws.neg_beta)
     n, k = args["N"], fold.yc2.shape[1]
     a = fold.mq_nudge[:, 2 * n + 2:]  # A = L^T L, the last block of [-I | 0 | L^T | 0 | A]
     grid = (triton.cdiv(args["rows"], args["BR"]),)
