@@ -132,9 +132,9 @@ def test_a_training_run_with_triton_matches_torch(tmp_path, small_text):
     """100 windows of EP training (float64) on each backend: the same parameters and held-out loss; summary.json names
     the backend."""
     base = dict(hidden_sizes=[10, 8], coord_dim_n=4, rotor_k=4, context_len=3, embed_dim=3, batch_size=8,
-                tbptt_window_steps=10, nudge_steps=6, beta_nudge=0.003, r_init=4.0, proto_init_scale=0.3, eta_update=0.01,
-                max_windows=100, log_every_windows=50, eval_every_windows=0, eval_batches=1, dtype="float64",
-                data=str(small_text), device="cpu")
+                tbptt_window_steps=10, nudge_steps=6, beta_nudge=0.003, r_init=4.0, proto_init_scale=0.3,
+                eta_update=0.01, max_windows=100, log_every_windows=50, eval_every_windows=0, eval_batches=1,
+                dtype="float64", data=str(small_text), device="cpu")
     runs = {}
     for backend in ("triton", "torch"):
         cfg = build_config([("test", {**base, "window_backend": backend, "checkpoint_dir": str(tmp_path / backend)})])
@@ -196,18 +196,19 @@ def test_the_compiled_kernels_equal_the_torch_window_on_cuda():
 
 
 def test_bench_times_the_triton_window_as_a_mode(small_text, monkeypatch):
-    """bench's triton modes run the Triton window and its torch modes the torch window (here interpreted: no speed and no
-    op count is claimed, the interpreter's numpy copies show up as ops)."""
+    """bench's triton modes run the Triton window and its torch modes the torch window (here interpreted: no speed
+    and no op count is claimed, the interpreter's numpy copies show up as ops)."""
     from trainer2.bench import run as bench
 
     spy = Spy(free_phase.free_phase_kernel)
     monkeypatch.setattr(free_phase, "free_phase_kernel", spy)
-    rows, table = bench(["--data", str(small_text), "--hidden_sizes", "8", "--tbptt_window_steps", "3", "--nudge_steps", "2",
-                         "--device", "cpu", "--modes", "eager", "triton", "triton+graph", "--batch_sizes", "4",
-                         "--windows", "2"])
+    rows, table = bench(["--data", str(small_text), "--hidden_sizes", "8", "--tbptt_window_steps", "3",
+                         "--nudge_steps", "2", "--device", "cpu", "--modes", "eager", "triton", "triton+graph",
+                         "--batch_sizes", "4", "--windows", "2"])
     eager, tri, graph = rows
     assert eager.windows_per_s > 0 and tri.mode == "triton" and tri.windows_per_s > 0 and tri.note == ""
-    # the triton mode's 5 warm-up (warmup_steps 3 + 2), 2 timed and 1 profiled windows; none from eager or the phase table
+    # the triton mode's 5 warm-up (warmup_steps 3 + 2), 2 timed and 1 profiled windows; none from eager or the
+    # phase table
     assert len(spy.grids) == 5 + 2 + 1
     assert graph.note == "n/a (CUDA graphs need a CUDA device)" and "triton+graph" in table
 
@@ -220,3 +221,15 @@ def test_a_tensor_in_another_layout_is_refused_not_misread():
         tri.ws.state.s[0] = tri.ws.state.s[0].T.contiguous().T  # the same values, column-major
         with pytest.raises(ValueError, match="not contiguous"):
             tri.window(tri.ws, tri.m.energy, free.frame, free.fold, 0, 3, False, tri.integ, tri.one_hot)
+
+
+def test_wide_layers_beyond_what_auto_takes_still_match():
+    """300 hidden units and 33 coordinates: tiles padded to 512 and 64, and 8 warps (what triton runs when asked)."""
+    tri, ref = relaxations(("triton", "torch"), 0, dtype="float32", hidden_sizes=[300], coord_dim_n=33, batch_size=5)
+    inputs, targets = tiny_batch(tri.cfg)
+    with torch.no_grad():
+        frees = [r.free_phase(inputs, targets) for r in (tri, ref)]
+        compare(tri, ref, False, TOL["float32"])
+        for r, free in zip((tri, ref), frees):
+            r.nudged_phases(free)
+        compare(tri, ref, True, TOL["float32"])

@@ -32,7 +32,7 @@ def test_auto_and_torch_take_the_torch_window_on_the_cpu():
 
 @pytest.mark.parametrize("overrides,reason", [
     (dict(dt=0.5), "fixed-point iteration only"),
-    (dict(hidden_sizes=[300]), "at most 256 hidden units"),
+    (dict(hidden_sizes=[2000]), "2000 hidden units (at most 1024)"),
     (dict(hidden_sizes=[4, 4, 4, 4]), "1 to 3 hidden layers"),
 ])
 def test_triton_where_it_cannot_run_is_a_config_error_naming_the_reason(overrides, reason):
@@ -63,3 +63,14 @@ def test_the_cli_prints_one_line_not_a_traceback(tmp_path, small_text, capsys):
                  "--hidden_sizes", "8", "--batch_size", "4", "--window_backend", "triton", "--dt", "0.5"])
     err = capsys.readouterr().err
     assert code == 2 and "window_backend: triton cannot run here" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (pip install -e '.[kernels]')")
+def test_auto_takes_triton_on_cuda_only_where_the_layers_fit_in_registers():
+    """No CUDA tensor is made: the choice only reads the device type, the shapes and whether triton imports."""
+    cuda = backend.torch.device("cuda")
+    assert backend.choose_backend("auto", cuda, backend.torch.float32, FIXED, [256, 16], 16).name == "triton"
+    deep = backend.choose_backend("auto", cuda, backend.torch.float32, FIXED, [1024, 32], 100)
+    assert deep.name == "torch" and "1024 hidden units (at most 256)" in deep.reason and "runs it anyway" in deep.reason
+    assert backend.choose_backend("triton", cuda, backend.torch.float32, FIXED, [1024, 32], 100).name == "triton"

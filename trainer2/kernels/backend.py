@@ -16,12 +16,13 @@ from trainer2.energy import EnergyParams
 from trainer2.geometry import ReadoutFrame
 from trainer2.window import FoldedFrame, Integrator, WindowFn, Workspace, window_function
 
-# What one program keeps in registers (whole tiles, padded to powers of two >= 16). Larger machines (the deep preset's
-# 1024 hidden units) would need the weights streamed in chunks, which the kernels do not do yet: auto takes torch there.
+# A program keeps whole layers in registers (tiles padded to powers of two >= 16). Within FITS (the dev and production
+# presets, 256 x 16) they fit, and auto takes triton; within RUNS (the deep preset, 1024 x 32) --window_backend triton
+# runs them with more warps per program, where they may spill (for a GPU session to measure); beyond RUNS the weights
+# would have to be streamed in chunks, which the kernels do not do.
 MAX_DEPTH = 3
-MAX_HIDDEN = 256
-MAX_COORDS = 64
-MAX_CANDIDATES = 256
+FITS = {"hidden units": 256, "coordinates": 64, "candidates": 256}
+RUNS = {"hidden units": 1024, "coordinates": 64, "candidates": 1024}
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,18 @@ def interpreting() -> bool:
 
 def triton_blocker(device: torch.device, dtype: torch.dtype, integ: Integrator, sizes: list[int],
                    candidates: int) -> str | None:
-    """Why the Triton window cannot run for this machine on this device (sizes = [H_1, ..., H_M, n]), or None."""
+    """Why the Triton window cannot run for this machine on this device (sizes = [H_1, ..., H_M, n]), or None. The
+    machine's own reasons come first: installing triton or finding a GPU would not help with those."""
     if not integ.fixed_point:
         return (f"the kernels run the fixed-point iteration only (dt = gamma = mass = 1), this run has "
                 f"dt {integ.dt:g}, gamma {integ.gamma:g}, mass {integ.mass:g}")
+    if dtype not in (torch.float32, torch.float64):
+        return f"the kernels run float32 or float64, this run is {dtype}"
+    if not 1 <= len(sizes) - 1 <= MAX_DEPTH:
+        return f"the kernels support 1 to {MAX_DEPTH} hidden layers, this machine has {len(sizes) - 1}"
+    wide = too_large(sizes, candidates, RUNS)
+    if wide is not None:
+        return wide
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return (f"the device is {device.type}: Triton kernels need a CUDA device "
                 "(or the CPU with TRITON_INTERPRET=1, for tests)")
@@ -53,16 +62,15 @@ def triton_blocker(device: torch.device, dtype: torch.dtype, integ: Integrator, 
         importlib.import_module("triton")
     except Exception as e:  # a broken install: name it instead of failing inside the first window
         return f"triton does not import ({type(e).__name__}: {e})"
-    if dtype not in (torch.float32, torch.float64):
-        return f"the kernels run float32 or float64, this run is {dtype}"
-    depth, hidden, n = len(sizes) - 1, max(sizes[:-1]), sizes[-1]
-    if not 1 <= depth <= MAX_DEPTH:
-        return f"the kernels support 1 to {MAX_DEPTH} hidden layers, this machine has {depth}"
-    if hidden > MAX_HIDDEN or n > MAX_COORDS or candidates > MAX_CANDIDATES:
-        return (f"the kernels hold whole layers on chip: at most {MAX_HIDDEN} hidden units, {MAX_COORDS} coordinates "
-                f"and {MAX_CANDIDATES} candidates (prototypes + memory slots), this machine has {hidden}, {n} and "
-                f"{candidates}")
     return None
+
+
+def too_large(sizes: list[int], candidates: int, limits: dict[str, int]) -> str | None:
+    """Which of the machine's widths (sizes = [H_1, ..., H_M, n]; candidates = prototypes + memory slots) exceed
+    `limits`, or None."""
+    have = {"hidden units": max(sizes[:-1]), "coordinates": sizes[-1], "candidates": candidates}
+    over = [f"{have[k]} {k} (at most {v})" for k, v in limits.items() if have[k] > v]
+    return f"the kernels hold whole layers on chip, and this machine has {', '.join(over)}" if over else None
 
 
 def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, integ: Integrator, sizes: list[int],
@@ -77,7 +85,10 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, int
             raise ConfigError(f"window_backend: triton cannot run here: {blocker}; use --window_backend auto or torch")
         return Backend("triton", "--window_backend triton")
     if blocker is None and device.type == "cuda":
-        return Backend("triton", "auto: a CUDA device, triton imports and the shapes fit the kernels")
+        tight = too_large(sizes, candidates, FITS)
+        if tight is None:
+            return Backend("triton", "auto: a CUDA device, triton imports and the shapes fit the kernels")
+        blocker = f"{tight}; --window_backend triton runs it anyway, its registers may spill"
     return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
 
 

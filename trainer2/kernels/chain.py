@@ -103,6 +103,11 @@ def speed(v, lt, c_eps):
 BLOCK_ROWS = 16  # batch rows per program: rows relax independently, and tl.dot wants every dimension >= 16
 
 
+def warps(widest: int) -> int:
+    """Warps per program for the widest padded tile: more threads share the registers of a wider layer (1024: 16)."""
+    return 4 if widest <= 256 else 8 if widest <= 512 else 16
+
+
 def padded(size: int) -> int:
     """The tile size for a dimension: a power of two, at least 16 (tl.dot's smallest)."""
     return max(16, triton.next_power_of_2(size))
@@ -132,4 +137,4 @@ def chain_args(ws, params) -> dict:
                 wo_ptr=w[depth], b2_ptr=b23[0], b3_ptr=b23[1], bo_ptr=b[depth], rows=ws.drive.shape[0],
                 H1=sizes[0], H2=sizes[1], H3=sizes[2], N=n, HM=sizes[depth - 1], DEPTH=depth, BR=BLOCK_ROWS,
                 P1=padded(sizes[0]), P2=padded(sizes[1]), P3=padded(sizes[2]), PM=padded(sizes[depth - 1]),
-                NP=padded(n))
+                NP=padded(n), num_warps=warps(max(padded(h) for h in sizes)))

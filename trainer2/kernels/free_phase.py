@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from trainer2.energy import EnergyParams
-from trainer2.kernels.chain import (chain_args, hidden_step, load_couplings, load_rows, load_tile, load_vec, mm, row_major,
-                                    speed, store_rows, top_layer)
+from trainer2.kernels.chain import (chain_args, hidden_step, load_couplings, load_rows, load_tile, load_vec, mm,
+                                    row_major, speed, store_rows, top_layer)
 from trainer2.window import FoldedFrame, Workspace
 
 
