@@ -40,6 +40,27 @@ def mm(a, b):
 
 
 @triton.jit
+def sqrt_ieee(x):
+    """The IEEE-rounded square root, as torch's: float32's tl.sqrt may compile to a faster approximation on the GPU
+    (sqrt_rn is float32 only; float64's sqrt is exact)."""
+    if x.dtype == tl.float32:
+        r = tl.sqrt_rn(x)
+    else:
+        r = tl.sqrt(x)
+    return r
+
+
+@triton.jit
+def div_ieee(a, b):
+    """a / b rounded as IEEE division (and torch) round it: float32's `/` may compile to an approximation."""
+    if b.dtype == tl.float32:
+        r = tl.div_rn(a, b)
+    else:
+        r = a / b
+    return r
+
+
+@triton.jit
 def box(x):
     return tl.minimum(tl.maximum(x, 0.0), 1.0)
 
@@ -97,7 +118,7 @@ def speed(v, lt, c_eps):
     """spd = |v L^T, sqrt(eps)| (BR,) of the velocities v (BR, NP); lt is the (NP, NP) tile of L^T, c_eps the
     square root of eps."""
     z = mm(v, lt)
-    return tl.sqrt(tl.sum(z * z, axis=1) + c_eps * c_eps)
+    return sqrt_ieee(tl.sum(z * z, axis=1) + c_eps * c_eps)
 
 
 BLOCK_ROWS = 16  # batch rows per program: rows relax independently, and tl.dot wants every dimension >= 16

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from trainer2.energy import EnergyParams
-from trainer2.kernels.chain import (chain_args, hidden_step, load_couplings, load_rows, load_tile, load_vec, mm, padded,
-                                    row_major, speed, store_rows, top_layer)
+from trainer2.kernels.chain import (chain_args, div_ieee, hidden_step, load_couplings, load_rows, load_tile, load_vec,
+                                    mm, padded, row_major, speed, sqrt_ieee, store_rows, top_layer)
 from trainer2.window import FoldedFrame, Workspace
 
 
@@ -28,15 +28,15 @@ def readout_pull(q, lt, a, yc_t, cc, c, bias, neg_scale, mask, beta, neg_beta, l
     y = mm(q, lt)  # coordinates in which the metric is Euclidean
     d2 = tl.sum(y * y, axis=1)[:, None] + mm(y, yc_t) + cc[None, :]  # |y - yc_k|^2 + eps
     d2 = tl.where(real, d2, 1.0)
-    rspd = 1.0 / tl.sqrt(tl.maximum(d2, 0.0))  # the clamp guards rounding, as in readout_nudge
-    logit = bias[None, :] + neg_scale / rspd  # bias - beta_r R_sc spd; padded candidates carry bias -inf
-    e = tl.exp(logit - tl.max(logit, axis=1)[:, None])
-    pi = e / tl.sum(e, axis=1)[:, None]
+    rspd = div_ieee(tl.full(d2.shape, 1.0, d2.dtype), sqrt_ieee(tl.maximum(d2, 0.0)))  # the clamp guards rounding
+    logit = bias[None, :] + div_ieee(tl.full(d2.shape, 0.0, d2.dtype) + neg_scale, rspd)  # bias - beta_r R_sc spd
+    e = tl.exp(logit - tl.max(logit, axis=1)[:, None])  # padded candidates carry bias -inf: e = 0
+    pi = div_ieee(e, tl.broadcast_to(tl.sum(e, axis=1)[:, None], e.shape))
     if ONE_HOT:
         w = (mask + pi * neg_beta[:, None]) * rspd  # beta_col (mask - pi) / spd
     else:
         p_y = tl.where(live, tl.sum(pi * mask, axis=1), 1.0)
-        w = (pi * mask / p_y[:, None] - pi) * rspd * beta[:, None]
+        w = (div_ieee(pi * mask, tl.broadcast_to(p_y[:, None], pi.shape)) - pi) * rspd * beta[:, None]
     return tl.sum(w, axis=1)[:, None] * mm(q, a) - mm(w, c)
 
 
