@@ -66,6 +66,35 @@ def box(x):
 
 
 @triton.jit
+def load_chain(h1_ptr, h2_ptr, h3_ptr, q_ptr, drive_ptr, wo_ptr, b2_ptr, b3_ptr, bo_ptr, r, rows, H1, H2, H3, N, HM,
+               P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, PM: tl.constexpr, NP: tl.constexpr):
+    """A program's rows r of the state h_1..h_3, q and the drive, and the chain's constants: W_out (NP, PM), b_out,
+    b_2, b_3. Layers a shallower chain lacks come from its stand-ins and are never used."""
+    h1 = load_rows(h1_ptr, r, rows, H1, P1)
+    h2 = load_rows(h2_ptr, r, rows, H2, P2)
+    h3 = load_rows(h3_ptr, r, rows, H3, P3)
+    q = load_rows(q_ptr, r, rows, N, NP)
+    drive = load_rows(drive_ptr, r, rows, H1, P1)
+    wo = load_tile(wo_ptr, HM, N, HM, NP, PM)  # (n, H_M)
+    bo = load_vec(bo_ptr, N, NP)
+    b2 = load_vec(b2_ptr, H2, P2)
+    b3 = load_vec(b3_ptr, H3, P3)
+    return h1, h2, h3, q, drive, wo, bo, b2, b3
+
+
+@triton.jit
+def store_chain(h1_ptr, h2_ptr, h3_ptr, q_ptr, h1, h2, h3, q, r, rows, H1, H2, H3, N, DEPTH: tl.constexpr,
+                P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, NP: tl.constexpr):
+    """The relaxed rows back into the state: every layer the chain has, and q."""
+    store_rows(h1_ptr, h1, r, rows, H1, P1)
+    if DEPTH >= 2:
+        store_rows(h2_ptr, h2, r, rows, H2, P2)
+    if DEPTH >= 3:
+        store_rows(h3_ptr, h3, r, rows, H3, P3)
+    store_rows(q_ptr, q, r, rows, N, NP)
+
+
+@triton.jit
 def load_couplings(w2_ptr, w3_ptr, wo, H1, H2, H3, DEPTH: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
                    P3: tl.constexpr):
     """The hidden-to-hidden couplings W_2 (P2, P1) and W_3 (P3, P2) a chain of DEPTH layers has; wo stands in for

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from trainer2.energy import EnergyParams
-from trainer2.kernels.chain import (chain_args, hidden_step, load_couplings, load_rows, load_tile, load_vec, mm,
-                                    row_major, speed, store_rows, top_layer)
+from trainer2.kernels.chain import (chain_args, hidden_step, load_chain, load_couplings, load_tile, mm, row_major,
+                                    speed, store_chain, store_rows, top_layer)
 from trainer2.window import FoldedFrame, Workspace
 
 
@@ -21,15 +21,8 @@ def free_phase_kernel(h1_ptr, h2_ptr, h3_ptr, q_ptr, drive_ptr, w2_ptr, w3_ptr, 
                       H1, H2, H3, N, HM, DEPTH: tl.constexpr, BR: tl.constexpr,
                       P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, PM: tl.constexpr, NP: tl.constexpr):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
-    h1 = load_rows(h1_ptr, r, rows, H1, P1)
-    h2 = load_rows(h2_ptr, r, rows, H2, P2)
-    h3 = load_rows(h3_ptr, r, rows, H3, P3)
-    q = load_rows(q_ptr, r, rows, N, NP)
-    drive = load_rows(drive_ptr, r, rows, H1, P1)
-    wo = load_tile(wo_ptr, HM, N, HM, NP, PM)  # (n, H_M)
-    bo = load_vec(bo_ptr, N, NP)
-    b2 = load_vec(b2_ptr, H2, P2)
-    b3 = load_vec(b3_ptr, H3, P3)
+    h1, h2, h3, q, drive, wo, bo, b2, b3 = load_chain(h1_ptr, h2_ptr, h3_ptr, q_ptr, drive_ptr, wo_ptr, b2_ptr, b3_ptr,
+                                                      bo_ptr, r, rows, H1, H2, H3, N, HM, P1, P2, P3, PM, NP)
     lt = load_tile(lt_ptr, lt_stride, N, N, NP, NP)  # L^T, the metric's square root, for spd
     c_eps = tl.load(c_ptr + N)  # sqrt(eps)
     store_rows(qh_ptr + start * rows * N, q, r, rows, N, NP)
@@ -40,12 +33,7 @@ def free_phase_kernel(h1_ptr, h2_ptr, h3_ptr, q_ptr, drive_ptr, w2_ptr, w3_ptr, 
         store_rows(qh_ptr + (t + 1) * rows * N, q_new, r, rows, N, NP)
         tl.store(spd_ptr + t * rows + r, speed(q_new - q, lt, c_eps), mask=r < rows)
         q = q_new
-    store_rows(h1_ptr, h1, r, rows, H1, P1)
-    if DEPTH >= 2:
-        store_rows(h2_ptr, h2, r, rows, H2, P2)
-    if DEPTH >= 3:
-        store_rows(h3_ptr, h3, r, rows, H3, P3)
-    store_rows(q_ptr, q, r, rows, N, NP)
+    store_chain(h1_ptr, h2_ptr, h3_ptr, q_ptr, h1, h2, h3, q, r, rows, H1, H2, H3, N, DEPTH, P1, P2, P3, NP)
 
 
 def free_window(ws: Workspace, params: EnergyParams, fold: FoldedFrame, start: int, steps: int) -> None:

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from trainer2.energy import EnergyParams
-from trainer2.kernels.chain import (chain_args, div_ieee, hidden_step, load_couplings, load_rows, load_tile, load_vec,
-                                    mm, padded, row_major, speed, sqrt_ieee, store_rows, top_layer)
+from trainer2.kernels.chain import (chain_args, div_ieee, hidden_step, load_chain, load_couplings, load_rows, load_tile,
+                                    mm, padded, row_major, speed, sqrt_ieee, store_chain, store_rows, top_layer)
 from trainer2.window import FoldedFrame, Workspace
 
 
@@ -48,15 +48,8 @@ def nudged_phase_kernel(h1_ptr, h2_ptr, h3_ptr, q_ptr, drive_ptr, w2_ptr, w3_ptr
                         P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, PM: tl.constexpr, NP: tl.constexpr,
                         KP: tl.constexpr):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
-    h1 = load_rows(h1_ptr, r, rows, H1, P1)
-    h2 = load_rows(h2_ptr, r, rows, H2, P2)
-    h3 = load_rows(h3_ptr, r, rows, H3, P3)
-    q = load_rows(q_ptr, r, rows, N, NP)
-    drive = load_rows(drive_ptr, r, rows, H1, P1)
-    wo = load_tile(wo_ptr, HM, N, HM, NP, PM)  # (n, H_M)
-    bo = load_vec(bo_ptr, N, NP)
-    b2 = load_vec(b2_ptr, H2, P2)
-    b3 = load_vec(b3_ptr, H3, P3)
+    h1, h2, h3, q, drive, wo, bo, b2, b3 = load_chain(h1_ptr, h2_ptr, h3_ptr, q_ptr, drive_ptr, wo_ptr, b2_ptr, b3_ptr,
+                                                      bo_ptr, r, rows, H1, H2, H3, N, HM, P1, P2, P3, PM, NP)
     # The readout, fixed for the window: L^T, A = L^T L, -2 Yc^T and |yc|^2 + eps (yc2's rows), C, bias, the scale.
     lt = load_tile(lt_ptr, lt_stride, N, N, NP, NP)
     a = load_tile(a_ptr, a_stride, N, N, NP, NP)
@@ -80,12 +73,7 @@ def nudged_phase_kernel(h1_ptr, h2_ptr, h3_ptr, q_ptr, drive_ptr, w2_ptr, w3_ptr
         store_rows(qh_ptr + (t + 1) * rows * N, q_new, r, rows, N, NP)
         tl.store(spd_ptr + t * rows + r, speed(q_new - q, lt, c_eps), mask=r < rows)
         q = q_new
-    store_rows(h1_ptr, h1, r, rows, H1, P1)
-    if DEPTH >= 2:
-        store_rows(h2_ptr, h2, r, rows, H2, P2)
-    if DEPTH >= 3:
-        store_rows(h3_ptr, h3, r, rows, H3, P3)
-    store_rows(q_ptr, q, r, rows, N, NP)
+    store_chain(h1_ptr, h2_ptr, h3_ptr, q_ptr, h1, h2, h3, q, r, rows, H1, H2, H3, N, DEPTH, P1, P2, P3, NP)
 
 
 def nudged_window(ws: Workspace, params: EnergyParams, fold: FoldedFrame, start: int, steps: int,
