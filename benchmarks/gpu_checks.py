@@ -41,7 +41,9 @@ def window_flops(cfg, candidates: int) -> float:
 def run_tests() -> list[tuple[str, str]]:
     """(test id, PASSED/FAILED/SKIPPED/ERROR) for every test, from pytest's -rA summary."""
     env = {**os.environ, "TRAINER2_SLOW_TESTS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "tests"], cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "tests"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     print(proc.stdout[-20000:], proc.stderr[-4000:], sep="\n")
     found = re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+)", proc.stdout, re.M)
     return [(test, result) for result, test in found] or [("pytest", f"exit {proc.returncode}, no summary")]
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from trainer2.bench import MODES, run
+    from trainer2.running.bench import MODES, run
 
     if not torch.cuda.is_available():
         print("gpu_checks: torch sees no CUDA GPU here; nothing to check", file=sys.stderr)
@@ -67,17 +69,35 @@ def main(argv: list[str] | None = None) -> int:
     by = {(r.batch, r.mode): r for r in rows}
     summary: list[tuple[str, str]] = [(t, r) for t, r in tests if "capture" in t or r not in ("PASSED", "SKIPPED")]
     passed = sum(r == "PASSED" for _, r in tests)
-    summary.append(("all tests", f"{passed} passed, {sum(r in ('FAILED', 'ERROR') for _, r in tests)} failed, "
-                                 f"{sum(r == 'SKIPPED' for _, r in tests)} skipped"))
+    summary.append(
+        (
+            "all tests",
+            f"{passed} passed, {sum(r in ('FAILED', 'ERROR') for _, r in tests)} failed, "
+            f"{sum(r == 'SKIPPED' for _, r in tests)} skipped",
+        )
+    )
     eager, graph = by.get((8, "eager")), by.get((8, "graph"))
     if eager and graph and eager.windows_per_s and graph.windows_per_s:
         ratio = graph.windows_per_s / eager.windows_per_s
-        summary.append(("graph vs eager, batch 8", f"{ratio:.2f}x ({'meets' if ratio >= GOAL_SPEEDUP else 'BELOW'} the {GOAL_SPEEDUP:g}x goal)"))
+        summary.append(
+            (
+                "graph vs eager, batch 8",
+                f"{ratio:.2f}x ({'meets' if ratio >= GOAL_SPEEDUP else 'BELOW'} the {GOAL_SPEEDUP:g}x goal)",
+            )
+        )
     comp = by.get((8, "compile"))
     if eager and comp and comp.kernels_per_step:
-        summary.append(("kernels/relax step, batch 8", f"eager {eager.kernels_per_step:.1f} -> compile {comp.kernels_per_step:.1f}"))
-    best = max((r for r in rows if r.batch == 8 and r.windows_per_s and r.mode in ("compile+graph", "reduce-overhead")),
-               key=lambda r: r.windows_per_s, default=None)
+        summary.append(
+            (
+                "kernels/relax step, batch 8",
+                f"eager {eager.kernels_per_step:.1f} -> compile {comp.kernels_per_step:.1f}",
+            )
+        )
+    best = max(
+        (r for r in rows if r.batch == 8 and r.windows_per_s and r.mode in ("compile+graph", "reduce-overhead")),
+        key=lambda r: r.windows_per_s,
+        default=None,
+    )
     if best:
         summary.append(("faster compile+graph variant, batch 8", f"{best.mode} ({best.windows_per_s:.1f} windows/s)"))
     summary += triton_goals(by, argv, torch.cuda.get_device_name())
@@ -91,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 def triton_goals(by: dict, argv: list[str], device_name: str) -> list[tuple[str, str]]:
     """Issue 24's figures from the bench rows: speed against compile+graph, kernels per batch step, compile time, and
     the share of the fp32 peak at the largest batch (from whole-step time, so a lower bound on the window's own)."""
-    from trainer2.bench import bench_parser, relax_steps
-    from trainer2.data import load_dataset
     from trainer2.flags import resolve_config
+    from trainer2.io.data import load_dataset
+    from trainer2.running.bench import bench_parser, relax_steps
 
     cfg = resolve_config(bench_parser().parse_args(argv))
     out = []
@@ -102,23 +122,36 @@ def triton_goals(by: dict, argv: list[str], device_name: str) -> list[tuple[str,
         if comp and comp.windows_per_s:
             ratio = tri.windows_per_s / comp.windows_per_s
             verdict = "meets" if ratio >= GOAL_TRITON_SPEEDUP else "BELOW"
-            out.append(("triton+graph vs compile+graph, batch 8",
-                        f"{ratio:.2f}x ({verdict} the {GOAL_TRITON_SPEEDUP:g}x goal)"))
+            out.append(
+                (
+                    "triton+graph vs compile+graph, batch 8",
+                    f"{ratio:.2f}x ({verdict} the {GOAL_TRITON_SPEEDUP:g}x goal)",
+                )
+            )
         if tri.kernels_per_step:
             k = tri.kernels_per_step * relax_steps(cfg)
             verdict = "meets" if k <= GOAL_KERNELS else "ABOVE"
-            out.append(("kernels per batch step, triton+graph, batch 8",
-                        f"{k:.0f} ({verdict} the {GOAL_KERNELS} goal)"))
-        out.append(("first replayed window, triton+graph, batch 8",
-                    f"{tri.setup_s:.1f} s (cold Triton cache, warm-up and capture included)"))
+            out.append(
+                ("kernels per batch step, triton+graph, batch 8", f"{k:.0f} ({verdict} the {GOAL_KERNELS} goal)")
+            )
+        out.append(
+            (
+                "first replayed window, triton+graph, batch 8",
+                f"{tri.setup_s:.1f} s (cold Triton cache, warm-up and capture included)",
+            )
+        )
     rows = [r for r in by.values() if r.mode == "triton+graph" and r.windows_per_s]
     big = max(rows, key=lambda r: r.batch, default=None)
     peak = next((v for k, v in FP32_PEAK_TFLOPS.items() if k in device_name), None)
     if big and peak:
         classes = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction).num_classes  # the prototypes
         tflops = window_flops(cfg, classes + cfg.memory_capacity) * big.batch * big.windows_per_s / 1e12
-        out.append((f"fp32 peak share, triton+graph, batch {big.batch}",
-                    f"{tflops:.2f} TFLOP/s = {100 * tflops / peak:.1f}% of {peak:g} (whole-step time: a lower bound)"))
+        out.append(
+            (
+                f"fp32 peak share, triton+graph, batch {big.batch}",
+                f"{tflops:.2f} TFLOP/s = {100 * tflops / peak:.1f}% of {peak:g} (whole-step time: a lower bound)",
+            )
+        )
     return [] if tri is None else out
 
 

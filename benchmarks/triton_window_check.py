@@ -13,12 +13,12 @@ import sys
 
 import torch
 
-from trainer2.data import load_dataset
-from trainer2.evaluation import resolve_device
 from trainer2.flags import add_config_flags, resolve_config
-from trainer2.machine import build_machine
-from trainer2.memory import MemoryBank
-from trainer2.relaxation import Relaxation
+from trainer2.io.data import load_dataset
+from trainer2.physics.machine import build_machine
+from trainer2.physics.memory import MemoryBank
+from trainer2.physics.relaxation import Relaxation
+from trainer2.running.evaluation import resolve_device
 
 TOL = {"float32": 1e-5, "float64": 1e-10}
 
@@ -65,8 +65,10 @@ def check(cfg, batch: int, device: torch.device) -> dict[str, float]:
 def graph_replay(relax: Relaxation, free) -> dict[str, float]:
     """Each Triton phase captured in a CUDA graph and replayed from the same start: its error against the eager run."""
     out = {}
-    for name, ws, steps, nudged in (("free", relax.ws, relax.cfg.tbptt_window_steps, False),
-                                    ("nudged", relax.ws_nudged, relax.cfg.nudge_steps, True)):
+    for name, ws, steps, nudged in (
+        ("free", relax.ws, relax.cfg.tbptt_window_steps, False),
+        ("nudged", relax.ws_nudged, relax.cfg.nudge_steps, True),
+    ):
         start = [s.clone() for s in ws.state.s]
 
         def window() -> None:
@@ -97,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_config(args)
     device = resolve_device(cfg)
     tol, worst = TOL[cfg.dtype], 0.0
-    print(f"Triton window vs torch window: {device}, {cfg.dtype}, hidden {cfg.hidden_sizes}, n {cfg.coord_dim_n}, "
-          f"memory {cfg.memory_capacity}, {cfg.tbptt_window_steps} free + {cfg.nudge_steps} nudged steps; "
-          f"tolerance {tol:g}")
+    print(
+        f"Triton window vs torch window: {device}, {cfg.dtype}, hidden {cfg.hidden_sizes}, n {cfg.coord_dim_n}, "
+        f"memory {cfg.memory_capacity}, {cfg.tbptt_window_steps} free + {cfg.nudge_steps} nudged steps; "
+        f"tolerance {tol:g}"
+    )
     for batch in args.batch_sizes:
         errors = check(cfg, batch, device)
         worst = max(worst, *errors.values())

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.tiny import tiny_config
-from trainer2.energy import energy
-from trainer2.machine import Machine, build_machine, coupling_cap, couplings, project_constraints
+from trainer2.physics.energy import energy
+from trainer2.physics.machine import Machine, build_machine, coupling_cap, couplings, project_constraints
 
 
 def hessian(m: Machine) -> torch.Tensor:
@@ -36,7 +36,7 @@ def deep(hidden: list[int], cap: float = 0.7, coord: int = 6) -> tuple:
 
 
 def test_explicit_hessian_is_the_energy_hessian():
-    """The matrix the other tests read eigenvalues from is autograd's Hessian of trainer2.energy.energy."""
+    """The matrix the other tests read eigenvalues from is autograd's Hessian of trainer2.physics.energy.energy."""
     cfg, m = deep([5, 4, 3])
     sizes = m.state_sizes()
     x = torch.randn(1, m.energy.weights[0].shape[1], dtype=torch.float64)
@@ -51,8 +51,12 @@ def test_explicit_hessian_is_the_energy_hessian():
 def test_cap_matches_path_norm():
     """rho / (2 cos(pi / (M + 2))): exactly rho for one hidden layer (every preset is unchanged), rho/sqrt(2) for two."""
     assert coupling_cap(tiny_config(hidden_sizes=[12], spectral_cap=0.7)) == 0.7
-    assert coupling_cap(tiny_config(hidden_sizes=[12, 12], spectral_cap=0.7)) == pytest.approx(0.7 / math.sqrt(2), rel=1e-14)
-    assert coupling_cap(tiny_config(hidden_sizes=[12] * 4, spectral_cap=0.7)) == pytest.approx(0.7 / math.sqrt(3), rel=1e-14)
+    assert coupling_cap(tiny_config(hidden_sizes=[12, 12], spectral_cap=0.7)) == pytest.approx(
+        0.7 / math.sqrt(2), rel=1e-14
+    )
+    assert coupling_cap(tiny_config(hidden_sizes=[12] * 4, spectral_cap=0.7)) == pytest.approx(
+        0.7 / math.sqrt(3), rel=1e-14
+    )
 
 
 def aligned(hidden: list[int], c: float) -> Machine:

@@ -12,26 +12,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer2.kernels.backend import interpreting
+from trainer2.physics.kernels.backend import interpreting
 
 if importlib.util.find_spec("triton") is None or importlib.util.find_spec("numpy") is None:
-    pytest.skip("triton and numpy are not installed (pip install -e '.[kernels]'): the Triton window is not tested",
-                allow_module_level=True)
+    pytest.skip(
+        "triton and numpy are not installed (pip install -e '.[kernels]'): the Triton window is not tested",
+        allow_module_level=True,
+    )
 if not interpreting():
-    pytest.skip("TRITON_INTERPRET is off: the Triton window runs on CPU tensors only in Triton's interpreter",
-                allow_module_level=True)
+    pytest.skip(
+        "TRITON_INTERPRET is off: the Triton window runs on CPU tensors only in Triton's interpreter",
+        allow_module_level=True,
+    )
+
+from tiny import tiny_batch, tiny_config, tiny_machine  # noqa: E402
 
 from benchmarks.autograd_reference import cosine  # noqa: E402
 from benchmarks.exact_gradient_reference import exact_gradients  # noqa: E402
-from tiny import tiny_batch, tiny_config, tiny_machine  # noqa: E402
 from trainer2.config import build_config  # noqa: E402
-from trainer2.gradients import ep_gradients  # noqa: E402
-from trainer2.kernels import free_phase, nudged_phase  # noqa: E402
-from trainer2.kernels.backend import TritonWindow  # noqa: E402
-from trainer2.memory import MemoryBank  # noqa: E402
-from trainer2.relaxation import Relaxation  # noqa: E402
-from trainer2.trainer import Trainer  # noqa: E402
-from trainer2.window import fixed_point_window  # noqa: E402
+from trainer2.learning.gradients import ep_gradients  # noqa: E402
+from trainer2.physics.dynamics import fixed_point_window  # noqa: E402
+from trainer2.physics.kernels import free_phase, nudged_phase  # noqa: E402
+from trainer2.physics.kernels.backend import TritonWindow  # noqa: E402
+from trainer2.physics.memory import MemoryBank  # noqa: E402
+from trainer2.physics.relaxation import Relaxation  # noqa: E402
+from trainer2.running.trainer import Trainer  # noqa: E402
 
 TOL = {"float32": 1e-5, "float64": 1e-10}  # largest |triton - torch| relative to the largest |torch|, per tensor
 
@@ -66,12 +71,20 @@ def compare(tri: Relaxation, ref: Relaxation, nudged: bool, tol: float) -> None:
     assert_near(a.spd_hist, b.spd_hist, tol, "spd")
 
 
-CASES = [(dtype, hidden, memory, batch) for hidden in ([12], [9, 7], [9, 7, 6]) for memory in (0, 16)
-         for dtype, batches in (("float32", (1, 8, 13, 64)), ("float64", (13,))) for batch in batches]
+CASES = [
+    (dtype, hidden, memory, batch)
+    for hidden in ([12], [9, 7], [9, 7, 6])
+    for memory in (0, 16)
+    for dtype, batches in (("float32", (1, 8, 13, 64)), ("float64", (13,)))
+    for batch in batches
+]
 
 
-@pytest.mark.parametrize("dtype,hidden,memory,batch", CASES,
-                         ids=[f"{d}-h{'x'.join(map(str, h))}-{'bank' if m else 'onehot'}-b{b}" for d, h, m, b in CASES])
+@pytest.mark.parametrize(
+    "dtype,hidden,memory,batch",
+    CASES,
+    ids=[f"{d}-h{'x'.join(map(str, h))}-{'bank' if m else 'onehot'}-b{b}" for d, h, m, b in CASES],
+)
 def test_each_phase_equals_the_torch_window(dtype, hidden, memory, batch):
     """Free phase, then the stacked +beta/-beta nudged phase (one-hot readout, or a memory bank sharing labels)."""
     slots = max(memory, batch) if memory else 0  # a bank holds at least a batch
@@ -131,10 +144,27 @@ def test_the_triton_backend_really_launches_the_kernels(monkeypatch):
 def test_a_training_run_with_triton_matches_torch(tmp_path, small_text):
     """100 windows of EP training (float64) on each backend: the same parameters and held-out loss; summary.json names
     the backend."""
-    base = dict(hidden_sizes=[10, 8], coord_dim_n=4, rotor_k=4, context_len=3, embed_dim=3, batch_size=8,
-                tbptt_window_steps=10, nudge_steps=6, beta_nudge=0.003, r_init=4.0, proto_init_scale=0.3,
-                eta_update=0.01, max_windows=100, log_every_windows=50, eval_every_windows=0, eval_batches=1,
-                dtype="float64", data=str(small_text), device="cpu")
+    base = dict(
+        hidden_sizes=[10, 8],
+        coord_dim_n=4,
+        rotor_k=4,
+        context_len=3,
+        embed_dim=3,
+        batch_size=8,
+        tbptt_window_steps=10,
+        nudge_steps=6,
+        beta_nudge=0.003,
+        r_init=4.0,
+        proto_init_scale=0.3,
+        eta_update=0.01,
+        max_windows=100,
+        log_every_windows=50,
+        eval_every_windows=0,
+        eval_batches=1,
+        dtype="float64",
+        data=str(small_text),
+        device="cpu",
+    )
     runs = {}
     for backend in ("triton", "torch"):
         cfg = build_config([("test", {**base, "window_backend": backend, "checkpoint_dir": str(tmp_path / backend)})])
@@ -170,9 +200,27 @@ def test_the_device_check_script_passes_in_the_interpreter(capsys):
     """benchmarks/triton_window_check.py, which a GPU session runs at the presets' shapes, on tiny CPU shapes."""
     from benchmarks import triton_window_check
 
-    code = triton_window_check.main(["--device", "cpu", "--hidden_sizes", "12", "10", "--coord_dim_n", "4",
-                                     "--tbptt_window_steps", "6", "--nudge_steps", "4", "--batch_sizes", "3",
-                                     "--memory_capacity", "8", "--batch_size", "8"])
+    code = triton_window_check.main(
+        [
+            "--device",
+            "cpu",
+            "--hidden_sizes",
+            "12",
+            "10",
+            "--coord_dim_n",
+            "4",
+            "--tbptt_window_steps",
+            "6",
+            "--nudge_steps",
+            "4",
+            "--batch_sizes",
+            "3",
+            "--memory_capacity",
+            "8",
+            "--batch_size",
+            "8",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "nudged spd" in out and "PASS" in out
 
@@ -188,23 +236,56 @@ def test_the_compiled_kernels_equal_the_torch_window_on_cuda():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     deep_bank = ["--hidden_sizes", "128", "64", "32", "--memory_capacity", "128", "--batch_size", "64"]
     for extra in ([], ["--dtype", "float64"], deep_bank):
-        cmd = [sys.executable, "-m", "benchmarks.triton_window_check", "--preset", "dev", "--device", "cuda",
-               "--batch_sizes", "1", "8", "13", "64", *extra]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                              cwd=Path(__file__).resolve().parent.parent)
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.triton_window_check",
+            "--preset",
+            "dev",
+            "--device",
+            "cuda",
+            "--batch_sizes",
+            "1",
+            "8",
+            "13",
+            "64",
+            *extra,
+        ]
+        proc = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_bench_times_the_triton_window_as_a_mode(small_text, monkeypatch):
     """bench's triton modes run the Triton window and its torch modes the torch window (here interpreted: no speed
     and no op count is claimed, the interpreter's numpy copies show up as ops)."""
-    from trainer2.bench import run as bench
+    from trainer2.running.bench import run as bench
 
     spy = Spy(free_phase.free_phase_kernel)
     monkeypatch.setattr(free_phase, "free_phase_kernel", spy)
-    rows, table = bench(["--data", str(small_text), "--hidden_sizes", "8", "--tbptt_window_steps", "3",
-                         "--nudge_steps", "2", "--device", "cpu", "--modes", "eager", "triton", "triton+graph",
-                         "--batch_sizes", "4", "--windows", "2"])
+    rows, table = bench(
+        [
+            "--data",
+            str(small_text),
+            "--hidden_sizes",
+            "8",
+            "--tbptt_window_steps",
+            "3",
+            "--nudge_steps",
+            "2",
+            "--device",
+            "cpu",
+            "--modes",
+            "eager",
+            "triton",
+            "triton+graph",
+            "--batch_sizes",
+            "4",
+            "--windows",
+            "2",
+        ]
+    )
     eager, tri, graph = rows
     assert eager.windows_per_s > 0 and tri.mode == "triton" and tri.windows_per_s > 0 and tri.note == ""
     # the triton mode's 5 warm-up (warmup_steps 3 + 2), 2 timed and 1 profiled windows; none from eager or the

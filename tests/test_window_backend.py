@@ -6,13 +6,13 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from tiny import tiny_config, tiny_machine
+
 from trainer2.cli import main
 from trainer2.config import ConfigError
-from trainer2.kernels import backend
-from trainer2.relaxation import Relaxation
-from trainer2.window import Integrator, fixed_point_window, leapfrog_window
+from trainer2.physics.dynamics import Integrator, fixed_point_window, leapfrog_window
+from trainer2.physics.kernels import backend
+from trainer2.physics.relaxation import Relaxation
 
 FIXED = Integrator(1.0, 1.0, 1.0)
 
@@ -30,11 +30,14 @@ def test_auto_and_torch_take_the_torch_window_on_the_cpu():
     assert r.backend.name == "torch" and r.window is leapfrog_window and "fixed-point" in r.backend.reason
 
 
-@pytest.mark.parametrize("overrides,reason", [
-    (dict(dt=0.5), "fixed-point iteration only"),
-    (dict(hidden_sizes=[2000]), "2000 hidden units (at most 1024)"),
-    (dict(hidden_sizes=[4, 4, 4, 4]), "1 to 3 hidden layers"),
-])
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        (dict(dt=0.5), "fixed-point iteration only"),
+        (dict(hidden_sizes=[2000]), "2000 hidden units (at most 1024)"),
+        (dict(hidden_sizes=[4, 4, 4, 4]), "1 to 3 hidden layers"),
+    ],
+)
 def test_triton_where_it_cannot_run_is_a_config_error_naming_the_reason(overrides, reason):
     with pytest.raises(ConfigError, match="window_backend: triton cannot run here") as e:
         relax(window_backend="triton", **overrides)
@@ -49,8 +52,9 @@ def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
 
 def test_triton_missing_is_named(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(backend.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "triton" else real(name, *a))
+    monkeypatch.setattr(
+        backend.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     reason = backend.triton_blocker(backend.torch.device("cpu"), backend.torch.float64, FIXED, [12, 4], 7)
     assert reason == "triton is not installed (pip install -e '.[kernels]')"
@@ -59,14 +63,33 @@ def test_triton_missing_is_named(monkeypatch):
 
 
 def test_the_cli_prints_one_line_not_a_traceback(tmp_path, small_text, capsys):
-    code = main(["--data", str(small_text), "--checkpoint_dir", str(tmp_path), "--device", "cpu", "--max_windows", "1",
-                 "--hidden_sizes", "8", "--batch_size", "4", "--window_backend", "triton", "--dt", "0.5"])
+    code = main(
+        [
+            "--data",
+            str(small_text),
+            "--checkpoint_dir",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--max_windows",
+            "1",
+            "--hidden_sizes",
+            "8",
+            "--batch_size",
+            "4",
+            "--window_backend",
+            "triton",
+            "--dt",
+            "0.5",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "window_backend: triton cannot run here" in err and "Traceback" not in err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                    reason="triton is not installed (pip install -e '.[kernels]')")
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install -e '.[kernels]')"
+)
 def test_auto_takes_triton_on_cuda_only_where_the_layers_fit_in_registers():
     """No CUDA tensor is made: the choice only reads the device type, the shapes and whether triton imports."""
     cuda = backend.torch.device("cuda")
