@@ -88,7 +88,7 @@ def test_the_telemetry_logs_the_dead_units_of_the_last_batch(small_text, tmp_pat
                     context_len=3,
                     embed_dim=3,
                     batch_size=8,
-                    tbptt_window_steps=6,
+                    free_steps=6,
                     nudge_steps=3,
                     max_windows=4,
                     log_every_windows=2,

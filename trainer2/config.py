@@ -208,6 +208,11 @@ class TrainConfig(BaseModel):
         description="torch.compile mode; 'reduce-overhead' lets torch.compile record CUDA graphs itself "
         "instead of the runner capturing the compiled step.",
     )
+    window_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="Relaxation phases: 'torch' operators, or 'triton' (one kernel launch per phase; needs the kernels "
+        "extra and a CUDA device); 'auto' takes triton on CUDA where it can run, torch otherwise.",
+    )
     cudnn_benchmark: bool = Field(False, description="Set torch.backends.cudnn.benchmark.")
     cudnn_deterministic: bool = Field(False, description="Set torch.backends.cudnn.deterministic.")
     allow_tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere and newer GPUs.")

@@ -22,10 +22,10 @@ from trainer2.physics.dynamics import (
     State,
     Workspace,
     fold_frame,
-    phase_function,
     set_nudge_scale,
 )
 from trainer2.physics.energy import input_drive
+from trainer2.physics.kernels.backend import choose_backend, make_phase_function
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.nudge import NudgeScheme
@@ -72,7 +72,10 @@ class Relaxation:
         sizes = machine.state_sizes()
         num_cand = machine.num_classes + (0 if memory is None else memory.coords.shape[0])
         self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass)
-        self.steps_fn = phase_function(self.integ)  # chosen once per run, not per step
+        # The relaxation's backend (torch operators, or one Triton launch per phase), chosen once per run, not per step
+        kinds = [c.kind for c in machine.energy.couplings]
+        self.backend = choose_backend(cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds)
+        self.steps_fn = make_phase_function(self.backend, self.integ)
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
         self.nudge = NudgeScheme(cfg.beta_nudge, cfg.symmetric_nudge)
         fixed = self.integ.fixed_point

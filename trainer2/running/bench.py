@@ -1,4 +1,5 @@
-"""Speed benchmark: eager vs CUDA graph vs torch.compile vs compile+graph, in one run, on one config.
+"""Speed benchmark: eager vs CUDA graph vs torch.compile vs compile+graph (torch window), and the Triton window
+(one kernel launch per relaxation phase) eager, in a graph, and compiled in a graph, in one run, on one config.
 
     python main.py bench [--preset NAME] [--FIELD VALUE ...] [--batch_sizes 8 64] [--modes ...] [--windows 20]
 
@@ -33,7 +34,16 @@ from trainer2.physics.nudge import NudgeScheme
 from trainer2.running.parts import build_parts, resolve_device
 from trainer2.running.step_runner import StepRunner
 
-MODES = ("eager", "graph", "compile", "compile+graph", "reduce-overhead")
+MODES = (
+    "eager",
+    "graph",
+    "compile",
+    "compile+graph",
+    "reduce-overhead",
+    "triton",
+    "triton+graph",
+    "triton+compile+graph",
+)
 # Top-level CPU ops that launch no kernel: views and allocations.
 NO_KERNEL = {
     "aten::" + n
@@ -136,11 +146,18 @@ def prepare(
     """A fresh machine (same seed for every mode) and its runner, warmed up (compile and capture included); or why
     not."""
     cuda = device.type == "cuda"
-    graphs, compiled = mode in ("graph", "compile+graph", "reduce-overhead"), mode not in ("eager", "graph")
+    # A triton mode is its torch mode with the Triton window; the torch modes pin the torch window (auto may pick
+    # triton).
+    base = "eager" if mode == "triton" else mode.removeprefix("triton+")
+    cfg = cfg.model_copy(update={"window_backend": "triton" if mode.startswith("triton") else "torch"})
+    graphs, compiled = base in ("graph", "compile+graph", "reduce-overhead"), base not in ("eager", "graph")
     if graphs and not cuda:
         return Row(batch, mode, note="n/a (CUDA graphs need a CUDA device)"), None
     counters.clear()
-    step = make_step(cfg, data, batch, device)
+    try:
+        step = make_step(cfg, data, batch, device)
+    except ConfigError as e:  # the Triton window cannot run here: say why in the row
+        return Row(batch, mode, note=f"n/a ({e})"), None
     logs: list[str] = []
     runner = StepRunner(
         step,
@@ -156,7 +173,7 @@ def prepare(
     if cuda:
         torch.cuda.synchronize(device)
     row = Row(batch, mode, setup_s=time.perf_counter() - start)
-    if runner.mode != ("compile+graph" if mode == "reduce-overhead" else mode):
+    if runner.mode != ("compile+graph" if base == "reduce-overhead" else base):
         row.note = f"n/a ({logs[-1] if logs else 'ran as ' + runner.mode})"
     elif counters["inductor"]["cudagraph_skips"]:
         row.note = "n/a (torch.compile skipped its CUDA graphs; rerun with TORCH_LOGS=perf_hints to see why)"
@@ -226,8 +243,9 @@ class WindowCost:
 
 @torch.no_grad()
 def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, windows: int) -> WindowCost:
-    """Profile one free and one nudged window of an eager step, then time `windows` eager steps by phase."""
-    step = make_step(cfg, data, batch, device)
+    """Profile one free and one nudged window of an eager step, then time `windows` eager steps by phase (the torch
+    window: its operator count is what this table is for; a triton mode's row counts the Triton window's kernels)."""
+    step = make_step(cfg.model_copy(update={"window_backend": "torch"}), data, batch, device)
     relax = step.relax
     feed = [(x.to(device), y.to(device)) for x, y in host_batches(data, batch, windows + 2, cfg.seed)]
     free = relax.free_phase(*feed[0])
@@ -279,18 +297,18 @@ def report(
         f"timed: {windows} windows per mode in interleaved rounds, after {warmup} warm-up windows "
         f"(excluded; setup_s = warm-up incl. compile/capture); {'CUDA events' if cuda else 'perf_counter'}",
         "",
-        f"{'batch':>5}  {'mode':<15} {'windows/s':>10} {'examples/s':>11} {'vs eager':>8} "
+        f"{'batch':>5}  {'mode':<20} {'windows/s':>10} {'examples/s':>11} {'vs eager':>8} "
         f"{unit + '/step':>12} {'launches/step':>13} {'setup_s':>8}",
     ]
     eager = {r.batch: r.windows_per_s for r in rows if r.mode == "eager"}
     for r in rows:
         if r.windows_per_s is None:
-            lines.append(f"{r.batch:>5}  {r.mode:<15} {r.note}")
+            lines.append(f"{r.batch:>5}  {r.mode:<20} {r.note}")
             continue
         base = eager.get(r.batch)
         ratio = f"{r.windows_per_s / base:.2f}x" if base else "-"
         lines.append(
-            f"{r.batch:>5}  {r.mode:<15} {r.windows_per_s:>10.2f} {r.windows_per_s * r.batch:>11.1f} {ratio:>8} "
+            f"{r.batch:>5}  {r.mode:<20} {r.windows_per_s:>10.2f} {r.windows_per_s * r.batch:>11.1f} {ratio:>8} "
             f"{fmt(r.kernels_per_step, '.1f'):>12} "
             f"{fmt(r.launches_per_step if cuda else None, '.1f'):>13} {r.setup_s:>8.1f}"
         )

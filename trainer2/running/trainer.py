@@ -181,6 +181,7 @@ class Trainer:
             f"{self.data.num_examples('heldout')} held-out examples, {self.data.num_classes} classes); "
             f"device: {self.device}"
         )
+        self.log(f"window backend: {self.relaxation.backend.name} ({self.relaxation.backend.reason})")
         quiet = {} if self.dist.is_main else {"disable": True}  # only rank 0 shows a bar
         bar = tqdm(
             total=total,
@@ -492,6 +493,7 @@ class Trainer:
             "windows_per_second": self.progress.window / wall if wall > 0 else 0.0,
             "dropped_updates": float(self.updater.state.dropped),
             "device": str(self.device),
+            "window_backend": self.relaxation.backend.name,
             "interrupted": interrupted,
             "diverged": diverged is not None,
             **({"error": diverged} if diverged else {}),

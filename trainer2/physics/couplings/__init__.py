@@ -5,6 +5,6 @@ from __future__ import annotations
 from trainer2.physics.couplings.coupling import Coupling
 from trainer2.physics.couplings.dense import Dense
 
-KINDS: dict[str, type] = {"dense": Dense}
+KINDS: dict[str, type] = {Dense.kind: Dense}
 
 __all__ = ["KINDS", "Coupling", "Dense"]

@@ -9,7 +9,7 @@ view differently (a (C, H, W) image layer is (R, C*H*W) in the workspace). Every
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from torch import Tensor
 
@@ -17,6 +17,7 @@ from torch import Tensor
 class Coupling(Protocol):
     """One interaction of the energy: E_c(below, above), with analytic derivatives in both layers."""
 
+    kind: ClassVar[str]  # the name the config's `layers` entries and the registry use ("dense")
     name: str  # its parameters are named <P>_<name> (W_1, b_1, ..., W_out, b_out)
     below_shape: tuple[int, ...]
     above_shape: tuple[int, ...]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -19,6 +20,7 @@ from torch import Tensor
 class Dense:
     """W_<name> (H_above, H_below) and b_<name> (H_above,); `wt` is W^T, a view made once."""
 
+    kind: ClassVar[str] = "dense"  # the name the config's layers use
     name: str
     weight: Tensor
     bias_: Tensor

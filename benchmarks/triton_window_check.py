@@ -1,0 +1,116 @@
+"""The Triton window against the torch window on one device, at a preset's shapes (issue 24): the largest relative error
+of each phase's states, q history and spd, and on CUDA a captured-and-replayed Triton window against its eager run.
+
+    python -m benchmarks.triton_window_check [--preset dev] [--batch_sizes 8 64 512 4096] [--FIELD VALUE ...]
+
+Exits 1 when an error exceeds the tolerance (1e-5 float32, 1e-10 float64). On the CPU it needs TRITON_INTERPRET=1
+(Triton's interpreter: slow, use small shapes); tests/test_triton_window.py runs it both ways."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from trainer2.flags import add_config_flags, resolve_config
+from trainer2.io.data import load_dataset
+from trainer2.physics.machine import build_machine
+from trainer2.physics.memory import MemoryBank
+from trainer2.physics.relaxation import Relaxation
+from trainer2.running.evaluation import resolve_device
+
+TOL = {"float32": 1e-5, "float64": 1e-10}
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+@torch.no_grad()
+def check(cfg, batch: int, device: torch.device) -> dict[str, float]:
+    """Relative errors (name -> error) of the Triton window against the torch window for one batch of the config's data,
+    the free phase then the stacked nudged phase; on CUDA also a graph replay of each Triton phase against eager."""
+    data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
+    inputs, targets = data.batch("train", torch.arange(batch) * 7 % data.num_examples("train"))
+    relax = {}
+    for backend in ("triton", "torch"):
+        c = cfg.model_copy(update={"window_backend": backend})
+        m = build_machine(c, data.num_classes, data.input_dim, data.kind == "text", device)
+        bank = None
+        if c.memory_capacity:  # filled with the first batch's coordinates, so the bank's candidates take part
+            bank = MemoryBank.allocate(c.memory_capacity, c.coord_dim_n, batch, m.readout.protos)
+            gen = torch.Generator().manual_seed(4)
+            coords = torch.randn(batch, c.coord_dim_n, generator=gen, dtype=m.readout.protos.dtype)
+            bank.write(coords.to(device), targets.to(device))
+        relax[backend] = Relaxation(m, c, batch, bank)
+    tri, ref = relax["triton"], relax["torch"]
+    x, y = inputs.to(device), targets.to(device)
+    errors = {}
+    frees = {k: r.free_phase(x, y) for k, r in relax.items()}
+    for phase in ("free", "nudged"):
+        if phase == "nudged":
+            for k, r in relax.items():
+                r.nudged_phases(frees[k])
+        a, b = (r.ws_nudged if phase == "nudged" else r.ws for r in (tri, ref))
+        for i, (s, t) in enumerate(zip(a.state.s, b.state.s, strict=True)):
+            errors[f"{phase} layer {i}"] = relative(s, t)
+        errors[f"{phase} q history"] = relative(a.q_hist, b.q_hist)
+        errors[f"{phase} spd"] = relative(a.spd_hist, b.spd_hist)
+    if device.type == "cuda":
+        errors.update(graph_replay(tri, frees["triton"]))
+    return errors
+
+
+def graph_replay(relax: Relaxation, free) -> dict[str, float]:
+    """Each Triton phase captured in a CUDA graph and replayed from the same start: its error against the eager run."""
+    out = {}
+    for name, ws, steps, nudged in (
+        ("free", relax.ws, relax.cfg.free_steps, False),
+        ("nudged", relax.ws_nudged, relax.cfg.nudge_steps, True),
+    ):
+        start = [s.clone() for s in ws.state.s]
+
+        def window() -> None:
+            relax.run(ws, free, 0, steps, nudged)
+
+        for s, s0 in zip(ws.state.s, start):
+            s.copy_(s0)
+        window()
+        eager = [s.clone() for s in ws.state.s] + [ws.spd_hist.clone()]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            window()
+        for s, s0 in zip(ws.state.s, start):
+            s.copy_(s0)
+        graph.replay()
+        torch.cuda.synchronize()
+        out[f"{name} graph replay"] = max(relative(a, b) for a, b in zip([*ws.state.s, ws.spd_hist], eager))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.triton_window_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", help="Preset name in configs/ or a YAML path.")
+    p.add_argument("--config", help="YAML file of config fields, applied over the preset.")
+    p.add_argument("--batch_sizes", type=int, nargs="+", default=[8, 64])
+    add_config_flags(p)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = resolve_config(args)
+    device = resolve_device(cfg)
+    tol, worst = TOL[cfg.dtype], 0.0
+    print(
+        f"Triton window vs torch window: {device}, {cfg.dtype}, layers {cfg.layers}, n {cfg.coord_dim_n}, "
+        f"memory {cfg.memory_capacity}, {cfg.free_steps} free + {cfg.nudge_steps} nudged steps; "
+        f"tolerance {tol:g}"
+    )
+    for batch in args.batch_sizes:
+        errors = check(cfg, batch, device)
+        worst = max(worst, *errors.values())
+        print(f"batch {batch:>5}: " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items()))
+    print(f"largest relative error {worst:.3g}: {'PASS' if worst <= tol else 'FAIL'}")
+    return 0 if worst <= tol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

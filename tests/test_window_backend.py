@@ -1,0 +1,114 @@
+"""--window_backend: auto keeps torch on the CPU, asking for triton where it cannot run is one clear message (no
+traceback), and old checkpoints still resume (the field is free on resume). Needs no triton."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from tiny import tiny_config, tiny_machine
+
+from trainer2.cli import main
+from trainer2.config import ConfigError
+from trainer2.physics.dynamics import Integrator, fixed_point_steps, leapfrog_steps
+from trainer2.physics.kernels import backend
+from trainer2.physics.relaxation import Relaxation
+
+FIXED = Integrator(1.0, 1.0, 1.0)
+
+
+def relax(**overrides) -> Relaxation:
+    cfg = tiny_config(**overrides)
+    return Relaxation(tiny_machine(cfg), cfg, cfg.batch_size)
+
+
+def test_auto_and_torch_take_the_torch_window_on_the_cpu():
+    for requested in ("auto", "torch"):
+        r = relax(window_backend=requested)
+        assert r.backend.name == "torch" and r.steps_fn is fixed_point_steps
+    r = relax(dt=0.5)
+    assert r.backend.name == "torch" and r.steps_fn is leapfrog_steps and "fixed-point" in r.backend.reason
+
+
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        (dict(dt=0.5), "fixed-point iteration only"),
+        (dict(hidden_sizes=[2000]), "2000 hidden units (at most 1024)"),
+        (dict(hidden_sizes=[4, 4, 4, 4]), "1 to 3 hidden layers"),
+    ],
+)
+def test_triton_where_it_cannot_run_is_a_config_error_naming_the_reason(overrides, reason):
+    with pytest.raises(ConfigError, match="window_backend: triton cannot run here") as e:
+        relax(window_backend="triton", **overrides)
+    assert reason in str(e.value)
+
+
+def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reason = backend.triton_blocker(
+        backend.torch.device("cpu"), backend.torch.float64, FIXED, [12, 4], 7, ["dense", "dense"]
+    )
+    assert "CUDA device" in reason and "TRITON_INTERPRET=1" in reason
+
+
+def test_triton_missing_is_named(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        backend.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    reason = backend.triton_blocker(
+        backend.torch.device("cpu"), backend.torch.float64, FIXED, [12, 4], 7, ["dense", "dense"]
+    )
+    assert reason == "triton is not installed (pip install -e '.[kernels]')"
+    cuda = backend.choose_backend(
+        "auto", backend.torch.device("cuda"), backend.torch.float32, FIXED, [12, 4], 7, ["dense", "dense"]
+    )
+    assert cuda.name == "torch" and "not installed" in cuda.reason
+
+
+def test_the_cli_prints_one_line_not_a_traceback(tmp_path, small_text, capsys):
+    code = main(
+        [
+            "--data",
+            str(small_text),
+            "--checkpoint_dir",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--max_windows",
+            "1",
+            "--hidden_sizes",
+            "8",
+            "--batch_size",
+            "4",
+            "--window_backend",
+            "triton",
+            "--dt",
+            "0.5",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "window_backend: triton cannot run here" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install -e '.[kernels]')"
+)
+def test_auto_takes_triton_on_cuda_only_where_the_layers_fit_in_registers(monkeypatch):
+    """No CUDA tensor is made: the choice only reads the device type, the shapes and whether triton imports."""
+    cuda = backend.torch.device("cuda")
+    default = backend.choose_backend("auto", cuda, backend.torch.float32, FIXED, [256, 16], 16, ["dense", "dense"])
+    assert default.name == "torch" and "not yet checked on a GPU" in default.reason  # until a GPU session checks them
+    monkeypatch.setattr(backend, "AUTO_TAKES_TRITON", True)
+    assert (
+        backend.choose_backend("auto", cuda, backend.torch.float32, FIXED, [256, 16], 16, ["dense", "dense"]).name
+        == "triton"
+    )
+    deep = backend.choose_backend("auto", cuda, backend.torch.float32, FIXED, [1024, 32], 100, ["dense", "dense"])
+    assert deep.name == "torch" and "1024 hidden units (at most 256)" in deep.reason and "runs it anyway" in deep.reason
+    assert (
+        backend.choose_backend("triton", cuda, backend.torch.float32, FIXED, [1024, 32], 100, ["dense", "dense"]).name
+        == "triton"
+    )

@@ -1,0 +1,137 @@
+"""Which code relaxes the phases (--window_backend): torch's operators (trainer2.physics.dynamics.fixed_point_steps)
+or one Triton launch per phase (kernels/free_phase.py, kernels/nudged_phase.py). Chosen once per Relaxation; triton
+is imported only when it is chosen, so a run without it never loads it."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from trainer2.config import ConfigError
+from trainer2.physics.dynamics import Integrator, PhaseFn, PhaseRun, phase_function
+
+# A program keeps whole layers in registers (tiles padded to powers of two >= 16). Within FITS (the dev and production
+# presets, 256 x 16) they fit, and auto takes triton; within RUNS (the deep preset, 1024 x 32) --window_backend triton
+# runs them with more warps per program, where they may spill (for a GPU session to measure); beyond RUNS the weights
+# would have to be streamed in chunks, which the kernels do not do.
+MAX_DEPTH = 3
+# The kernels are checked against the torch window in Triton's interpreter only; until their compiled form passes
+# benchmarks/gpu_checks.py on a GPU, auto keeps the torch window and --window_backend triton asks for them explicitly.
+AUTO_TAKES_TRITON = False
+FITS = {"hidden units": 256, "coordinates": 64, "candidates": 256}
+RUNS = {"hidden units": 1024, "coordinates": 64, "candidates": 1024}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The window backend in use, "torch" or "triton", and why it was chosen."""
+
+    name: str
+    reason: str
+
+
+def interpreting() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET=1): kernels run on CPU tensors, through numpy."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def triton_blocker(
+    device: torch.device, dtype: torch.dtype, integ: Integrator, sizes: list[int], candidates: int, kinds: list[str]
+) -> str | None:
+    """Why the Triton window cannot run for this machine on this device (sizes = [H_1, ..., H_M, n], kinds = the kind
+    of each coupling), or None. The machine's own reasons come first: installing triton or finding a GPU would not
+    help with those."""
+    if any(kind != "dense" for kind in kinds):
+        return f"the kernels run chains of dense couplings, this machine has {', '.join(sorted(set(kinds)))} couplings"
+    if not integ.fixed_point:
+        return (
+            f"the kernels run the fixed-point iteration only (dt = gamma = mass = 1), this run has "
+            f"dt {integ.dt:g}, gamma {integ.gamma:g}, mass {integ.mass:g}"
+        )
+    if dtype not in (torch.float32, torch.float64):
+        return f"the kernels run float32 or float64, this run is {dtype}"
+    if not 1 <= len(sizes) - 1 <= MAX_DEPTH:
+        return f"the kernels support 1 to {MAX_DEPTH} hidden layers, this machine has {len(sizes) - 1}"
+    wide = too_large(sizes, candidates, RUNS)
+    if wide is not None:
+        return wide
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        return (
+            f"the device is {device.type}: Triton kernels need a CUDA device "
+            "(or the CPU with TRITON_INTERPRET=1, for tests)"
+        )
+    for module in ("triton", "numpy") if interpreting() else ("triton",):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (pip install -e '.[kernels]')"
+    try:
+        importlib.import_module("triton")
+    except Exception as e:  # a broken install: name it instead of failing inside the first window
+        return f"triton does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def too_large(sizes: list[int], candidates: int, limits: dict[str, int]) -> str | None:
+    """Which of the machine's widths (sizes = [H_1, ..., H_M, n]; candidates = prototypes + memory slots) exceed
+    `limits`, or None."""
+    have = {"hidden units": max(sizes[:-1]), "coordinates": sizes[-1], "candidates": candidates}
+    over = [f"{have[k]} {k} (at most {v})" for k, v in limits.items() if have[k] > v]
+    return f"the kernels hold whole layers on chip, and this machine has {', '.join(over)}" if over else None
+
+
+def choose_backend(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    integ: Integrator,
+    sizes: list[int],
+    candidates: int,
+    kinds: list[str],
+) -> Backend:
+    """auto: triton on a CUDA device where it can run, else torch. Asking for triton where it cannot run is a
+    ConfigError naming the reason (the CLI prints it, no traceback)."""
+    if requested == "torch":
+        return Backend("torch", "--window_backend torch")
+    blocker = triton_blocker(device, dtype, integ, sizes, candidates, kinds)
+    if requested == "triton":
+        if blocker is not None:
+            raise ConfigError(f"window_backend: triton cannot run here: {blocker}; use --window_backend auto or torch")
+        return Backend("triton", "--window_backend triton")
+    if blocker is None and device.type == "cuda":
+        tight = too_large(sizes, candidates, FITS)
+        if tight is None and AUTO_TAKES_TRITON:
+            return Backend("triton", "auto: a CUDA device, triton imports and the shapes fit the kernels")
+        if tight is None:
+            return Backend(
+                "torch", "auto: the compiled kernels are not yet checked on a GPU; --window_backend triton runs them"
+            )
+        blocker = f"{tight}; --window_backend triton runs it anyway, its registers may spill"
+    return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
+
+
+class TritonWindow:
+    """The fixed-point steps of a phase as one Triton launch per call, a PhaseFn like fixed_point_steps. `launches`
+    counts the calls (a Python int, no tensor work), so a test can prove the kernels ran rather than a silent
+    fallback."""
+
+    def __init__(self) -> None:
+        from trainer2.physics.kernels.free_phase import free_window
+        from trainer2.physics.kernels.nudged_phase import nudged_window
+
+        self.free, self.nudged = free_window, nudged_window
+        self.launches = 0
+
+    def __call__(self, run: PhaseRun) -> None:
+        if run.nudged:
+            self.nudged(run.ws, run.energy, run.fold, run.start, run.steps, run.one_hot)
+        else:
+            self.free(run.ws, run.energy, run.fold, run.start, run.steps)
+        self.launches += 1
+
+
+def make_phase_function(backend: Backend, integ: Integrator) -> PhaseFn:
+    """The steps function of the chosen backend."""
+    return TritonWindow() if backend.name == "triton" else phase_function(integ)

@@ -1,0 +1,115 @@
+"""The free relaxation phase as one Triton launch: all T fixed-point steps of the whole hidden chain, q's step, the
+q history and each step's spd. Its torch reference is trainer2.physics.dynamics.fixed_point_steps (nudged=False).
+
+Each program owns BLOCK_ROWS batch rows (rows are independent while relaxing) and keeps them in registers for the
+whole window; W_out and L^T are loaded once, the hidden-to-hidden couplings are re-read every step (from cache)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from trainer2.physics.dynamics import FoldedFrame, Workspace
+from trainer2.physics.energy import Energy
+from trainer2.physics.kernels.chain import (
+    chain_args,
+    hidden_step,
+    load_chain,
+    load_couplings,
+    load_tile,
+    mm,
+    row_major,
+    speed,
+    store_chain,
+    store_rows,
+    top_layer,
+)
+
+
+@triton.jit
+def free_phase_kernel(
+    h1_ptr,
+    h2_ptr,
+    h3_ptr,
+    q_ptr,
+    drive_ptr,
+    w2_ptr,
+    w3_ptr,
+    wo_ptr,
+    b2_ptr,
+    b3_ptr,
+    bo_ptr,
+    lt_ptr,
+    lt_stride,
+    c_ptr,
+    qh_ptr,
+    spd_ptr,
+    rows,
+    start,
+    steps,
+    H1,
+    H2,
+    H3,
+    N,
+    HM,
+    DEPTH: tl.constexpr,
+    BR: tl.constexpr,
+    P1: tl.constexpr,
+    P2: tl.constexpr,
+    P3: tl.constexpr,
+    PM: tl.constexpr,
+    NP: tl.constexpr,
+):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    h1, h2, h3, q, drive, wo, bo, b2, b3 = load_chain(
+        h1_ptr,
+        h2_ptr,
+        h3_ptr,
+        q_ptr,
+        drive_ptr,
+        wo_ptr,
+        b2_ptr,
+        b3_ptr,
+        bo_ptr,
+        r,
+        rows,
+        H1,
+        H2,
+        H3,
+        N,
+        HM,
+        P1,
+        P2,
+        P3,
+        PM,
+        NP,
+    )
+    lt = load_tile(lt_ptr, lt_stride, N, N, NP, NP)  # L^T, the metric's square root, for spd
+    c_eps = tl.load(c_ptr + N)  # sqrt(eps)
+    store_rows(qh_ptr + start * rows * N, q, r, rows, N, NP)
+    for t in range(start, start + steps):
+        w2, w3 = load_couplings(w2_ptr, w3_ptr, wo, H1, H2, H3, DEPTH, P1, P2, P3)
+        q_new = mm(top_layer(h1, h2, h3, DEPTH), tl.trans(wo)) + bo[None, :]  # the minimiser in q from the old h_M
+        h1, h2, h3 = hidden_step(h1, h2, h3, q, drive, w2, w3, wo, b2, b3, DEPTH)
+        store_rows(qh_ptr + (t + 1) * rows * N, q_new, r, rows, N, NP)
+        tl.store(spd_ptr + t * rows + r, speed(q_new - q, lt, c_eps), mask=r < rows)
+        q = q_new
+    store_chain(h1_ptr, h2_ptr, h3_ptr, q_ptr, h1, h2, h3, q, r, rows, H1, H2, H3, N, DEPTH, P1, P2, P3, NP)
+
+
+def free_window(ws: Workspace, params: Energy, fold: FoldedFrame, start: int, steps: int) -> None:
+    """`steps` free fixed-point steps from ws.state in one launch; fills ws.q_hist[start:start + steps + 1] and
+    ws.spd_hist[start:start + steps] as fixed_point_steps does (its ws.vel and ws.zv_hist scratch stays untouched)."""
+    args = chain_args(ws, params)
+    row_major(fold.lt, fold.c)
+    grid = (triton.cdiv(args["rows"], args["BR"]),)
+    free_phase_kernel[grid](
+        lt_ptr=fold.lt,
+        lt_stride=fold.lt.stride(0),
+        c_ptr=fold.c,
+        qh_ptr=ws.q_hist,
+        spd_ptr=ws.spd_hist,
+        start=start,
+        steps=steps,
+        **args,
+    )

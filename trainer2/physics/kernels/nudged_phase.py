@@ -1,0 +1,197 @@
+"""The stacked +beta/-beta nudged phase as one Triton launch: all T fixed-point steps of the hidden chain, and q's
+step with the readout's pull inside the loop (distances to every candidate under the metric, the softmax, the one-hot
+or memory-bank mask, each row's beta), the q history and each step's spd. Its torch reference is
+trainer2.physics.dynamics.fixed_point_steps (nudged=True) with readout_nudge.
+
+Each program owns BLOCK_ROWS rows of the stacked workspace; a row's beta comes in through its beta_col, so the two
+phases are the same program on different rows."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from trainer2.physics.dynamics import FoldedFrame, Workspace
+from trainer2.physics.energy import Energy
+from trainer2.physics.kernels.chain import (
+    chain_args,
+    div_ieee,
+    hidden_step,
+    load_chain,
+    load_couplings,
+    load_rows,
+    load_tile,
+    mm,
+    padded,
+    row_major,
+    speed,
+    sqrt_ieee,
+    store_chain,
+    store_rows,
+    top_layer,
+)
+
+
+@triton.jit
+def readout_pull(
+    q, lt, a, yc_t, cc, c, bias, neg_scale, mask, beta, neg_beta, live, K, ONE_HOT: tl.constexpr, KP: tl.constexpr
+):
+    """sum_k w_k (qA - C_k) (BR, NP) at q (BR, NP), w_k = beta_col (mask_k pi_k / p_y - pi_k) / spd_k: readout_nudge's
+    pull. yc_t (NP, KP) is -2 Yc^T, cc (KP,) |yc_k|^2 + eps, c (KP, NP) the candidates C_k; mask (BR, KP) is
+    mask_beta (one-hot) or the target mask, beta (BR,) beta_col and neg_beta (BR,) -beta_col; live (BR,) marks real
+    rows. Padding (candidates beyond K, rows beyond the batch) is kept finite, so it never makes an inf or a nan."""
+    real = tl.arange(0, KP)[None, :] < K
+    y = mm(q, lt)  # coordinates in which the metric is Euclidean
+    d2 = tl.sum(y * y, axis=1)[:, None] + mm(y, yc_t) + cc[None, :]  # |y - yc_k|^2 + eps
+    d2 = tl.where(real, d2, 1.0)
+    rspd = div_ieee(tl.full(d2.shape, 1.0, d2.dtype), sqrt_ieee(tl.maximum(d2, 0.0)))  # the clamp guards rounding
+    logit = bias[None, :] + div_ieee(tl.full(d2.shape, 0.0, d2.dtype) + neg_scale, rspd)  # bias - beta_r R_sc spd
+    e = tl.exp(logit - tl.max(logit, axis=1)[:, None])  # padded candidates carry bias -inf: e = 0
+    pi = div_ieee(e, tl.broadcast_to(tl.sum(e, axis=1)[:, None], e.shape))
+    if ONE_HOT:
+        w = (mask + pi * neg_beta[:, None]) * rspd  # beta_col (mask - pi) / spd
+    else:
+        p_y = tl.where(live, tl.sum(pi * mask, axis=1), 1.0)
+        w = (div_ieee(pi * mask, tl.broadcast_to(p_y[:, None], pi.shape)) - pi) * rspd * beta[:, None]
+    return tl.sum(w, axis=1)[:, None] * mm(q, a) - mm(w, c)
+
+
+@triton.jit
+def nudged_phase_kernel(
+    h1_ptr,
+    h2_ptr,
+    h3_ptr,
+    q_ptr,
+    drive_ptr,
+    w2_ptr,
+    w3_ptr,
+    wo_ptr,
+    b2_ptr,
+    b3_ptr,
+    bo_ptr,
+    lt_ptr,
+    lt_stride,
+    a_ptr,
+    a_stride,
+    yc_ptr,
+    c_ptr,
+    c_stride,
+    c_eps_ptr,
+    bias_ptr,
+    scale_ptr,
+    mask_ptr,
+    beta_ptr,
+    neg_beta_ptr,
+    qh_ptr,
+    spd_ptr,
+    rows,
+    start,
+    steps,
+    H1,
+    H2,
+    H3,
+    N,
+    HM,
+    K,
+    DEPTH: tl.constexpr,
+    ONE_HOT: tl.constexpr,
+    BR: tl.constexpr,
+    P1: tl.constexpr,
+    P2: tl.constexpr,
+    P3: tl.constexpr,
+    PM: tl.constexpr,
+    NP: tl.constexpr,
+    KP: tl.constexpr,
+):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    h1, h2, h3, q, drive, wo, bo, b2, b3 = load_chain(
+        h1_ptr,
+        h2_ptr,
+        h3_ptr,
+        q_ptr,
+        drive_ptr,
+        wo_ptr,
+        b2_ptr,
+        b3_ptr,
+        bo_ptr,
+        r,
+        rows,
+        H1,
+        H2,
+        H3,
+        N,
+        HM,
+        P1,
+        P2,
+        P3,
+        PM,
+        NP,
+    )
+    # The readout, fixed for the window: L^T, A = L^T L, -2 Yc^T and |yc|^2 + eps (yc2's rows), C, bias, the scale.
+    lt = load_tile(lt_ptr, lt_stride, N, N, NP, NP)
+    a = load_tile(a_ptr, a_stride, N, N, NP, NP)
+    yc_t = load_tile(yc_ptr, K, N, K, NP, KP)
+    kk = tl.arange(0, KP)
+    cc = tl.load(yc_ptr + N * K + kk, mask=kk < K, other=0.0)
+    c = load_tile(c_ptr, c_stride, K, N, KP, NP)
+    bias = tl.load(bias_ptr + kk, mask=kk < K, other=float("-inf"))
+    neg_scale = tl.load(scale_ptr)
+    c_eps = tl.load(c_eps_ptr + N)  # sqrt(eps)
+    mask = load_rows(mask_ptr, r, rows, K, KP)
+    beta = tl.load(beta_ptr + r, mask=r < rows, other=0.0)
+    neg_beta = tl.load(neg_beta_ptr + r, mask=r < rows, other=0.0)
+    store_rows(qh_ptr + start * rows * N, q, r, rows, N, NP)
+    for t in range(start, start + steps):
+        w2, w3 = load_couplings(w2_ptr, w3_ptr, wo, H1, H2, H3, DEPTH, P1, P2, P3)
+        dq = bo[None, :] - q + mm(top_layer(h1, h2, h3, DEPTH), tl.trans(wo))  # W h_M + b - q from the old h_M
+        h1, h2, h3 = hidden_step(h1, h2, h3, q, drive, w2, w3, wo, b2, b3, DEPTH)
+        dq += readout_pull(q, lt, a, yc_t, cc, c, bias, neg_scale, mask, beta, neg_beta, r < rows, K, ONE_HOT, KP)
+        q_new = q + dq
+        store_rows(qh_ptr + (t + 1) * rows * N, q_new, r, rows, N, NP)
+        tl.store(spd_ptr + t * rows + r, speed(q_new - q, lt, c_eps), mask=r < rows)
+        q = q_new
+    store_chain(h1_ptr, h2_ptr, h3_ptr, q_ptr, h1, h2, h3, q, r, rows, H1, H2, H3, N, DEPTH, P1, P2, P3, NP)
+
+
+def nudged_window(ws: Workspace, params: Energy, fold: FoldedFrame, start: int, steps: int, one_hot: bool) -> None:
+    """`steps` nudged fixed-point steps of every stacked row of ws in one launch (beta per row from set_nudge_scale);
+    fills ws.q_hist and ws.spd_hist as fixed_point_steps does."""
+    args = chain_args(ws, params)
+    row_major(
+        fold.lt,
+        fold.c,
+        fold.mq_nudge,
+        fold.yc2,
+        fold.caug,
+        fold.bias,
+        ws.mask_beta,
+        ws.target_mask,
+        ws.beta_col,
+        ws.neg_beta,
+    )
+    n, k = args["N"], fold.yc2.shape[1]
+    a = fold.mq_nudge[:, 2 * n + 2 :]  # A = L^T L, the last block of [-I | 0 | L^T | 0 | A]
+    grid = (triton.cdiv(args["rows"], args["BR"]),)
+    nudged_phase_kernel[grid](
+        lt_ptr=fold.lt,
+        lt_stride=fold.lt.stride(0),
+        a_ptr=a,
+        a_stride=a.stride(0),
+        yc_ptr=fold.yc2,
+        c_ptr=fold.caug,
+        c_stride=fold.caug.stride(0),
+        c_eps_ptr=fold.c,
+        bias_ptr=fold.bias,
+        scale_ptr=fold.neg_scale,
+        mask_ptr=ws.mask_beta if one_hot else ws.target_mask,
+        beta_ptr=ws.beta_col,
+        neg_beta_ptr=ws.neg_beta,
+        qh_ptr=ws.q_hist,
+        spd_ptr=ws.spd_hist,
+        start=start,
+        steps=steps,
+        K=k,
+        ONE_HOT=one_hot,
+        KP=padded(k),
+        **args,
+    )
