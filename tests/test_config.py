@@ -327,7 +327,8 @@ def test_layers_describe_the_architecture_and_hidden_sizes_is_their_shorthand(tm
 
 
 @pytest.mark.parametrize("layers, words", [
-    ([{"conv": 3}], "kind in ['dense']"),
+    ([{"pool": 3}], "kind in ['conv', 'dense']"),
+    ([{"conv": 3}], "layer 0 (conv): a conv layer's spec must be a mapping"),
     ([{"dense": 0}], "integer >= 1"),
     ([{"dense": 8, "other": 2}], "one {kind: spec} entry"),
     ([], "at least 1"),

@@ -36,6 +36,7 @@ class Dataset:
     heldout: torch.Tensor
     train_y: torch.Tensor | None
     heldout_y: torch.Tensor | None
+    input_shape: tuple[int, ...] | None = None  # (C, H, W) of an image data set, whose rows are flattened images
 
     def _split(self, split: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(tokens [T] or x [N, D], None or y [N]) of one split."""

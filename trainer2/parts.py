@@ -43,7 +43,7 @@ def build_parts(cfg: TrainConfig, device: torch.device, data: Dataset | None = N
     """Load the data (unless given) and build a fresh machine on `device` and its memory bank for `batch` rows per
     write (cfg.batch_size unless given); the same config and seed always give the same parts."""
     data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction) if data is None else data
-    machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device)
+    machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device, data.input_shape)
     rows = cfg.batch_size if batch is None else batch
     memory = (MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, rows, machine.readout.protos)
               if cfg.memory_capacity else None)

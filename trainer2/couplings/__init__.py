@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from trainer2.couplings.conv import Conv
 from trainer2.couplings.coupling import Coupling
 from trainer2.couplings.dense import Dense
 
-KINDS: dict[str, type] = {"dense": Dense}
+KINDS: dict[str, type] = {"dense": Dense, "conv": Conv}
 
-__all__ = ["KINDS", "Coupling", "Dense"]
+__all__ = ["KINDS", "Conv", "Coupling", "Dense"]
