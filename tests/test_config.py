@@ -86,7 +86,7 @@ def test_boolean_flags_take_no_prefix_and_optional_ints_take_none():
     assert cfg.symmetric_nudge is False and cfg.eval_batches is None and cfg.layers == [{"dense": 32}, {"dense": 16}]
 
 
-@pytest.mark.parametrize("name", ["dev", "production", "deep", "profiling"])
+@pytest.mark.parametrize("name", ["dev", "production", "deep", "profiling", "conv"])
 def test_presets_are_valid(name):
     assert (preset_dir() / f"{name}.yaml").is_file()
     config_from(["--preset", name])

@@ -165,3 +165,11 @@ def test_cli_refuses_a_conv_layer_above_feature_vectors(tmp_path, capsys):
     cfg.write_text("layers:\n  - conv: {channels: 2}\n")
     assert main(["--data", feats, "--config", str(cfg), "--checkpoint_dir", str(tmp_path), "--max_windows", "2"]) == 2
     assert "layer 0 (conv): a conv layer needs an image-shaped layer" in capsys.readouterr().err
+
+
+def test_the_conv_preset_runs_on_mnist_sized_images(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    data = _write(tmp_path / "digits.npz", x=rng.integers(0, 256, (24, 28, 28)).astype(np.uint8), y=np.arange(24) % 3)
+    args = ["--preset", "conv", "--data", data, "--max_windows", "2", "--batch_size", "8", "--checkpoint_dir", str(tmp_path)]
+    assert main(args) == 0
+    assert "acc" in capsys.readouterr().out
