@@ -9,6 +9,8 @@ import pickle
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from trainer2.cli import main
 from trainer2.config import TrainConfig
@@ -173,3 +175,20 @@ def test_the_conv_preset_runs_on_mnist_sized_images(tmp_path, capsys):
     args = ["--preset", "conv", "--data", data, "--max_windows", "2", "--batch_size", "8", "--checkpoint_dir", str(tmp_path)]
     assert main(args) == 0
     assert "acc" in capsys.readouterr().out
+
+
+def test_a_conv_run_on_mnist_files_resumes_bitwise_identical(tmp_path, capsys):
+    """The kernels, power vectors and sampler of a conv machine on image data round-trip through a checkpoint."""
+    write_mnist(tmp_path / "mnist", n_train=40)
+    cfg = tmp_path / "conv.yaml"
+    cfg.write_text("layers:\n  - conv: {channels: 3, kernel: 3, pool: 2}\n  - conv: {channels: 2}\n")  # power.0: a conv's
+    common = ["--data", str(tmp_path / "mnist"), "--config", str(cfg), "--checkpoint_dir", str(tmp_path / "ck"),
+              "--coord_dim_n", "4", "--rotor_k", "3", "--batch_size", "8", "--free_steps", "4", "--nudge_steps", "2"]
+    assert main([*common, "--run_name", "whole", "--max_windows", "8"]) == 0
+    assert main([*common, "--run_name", "cut", "--max_windows", "4"]) == 0
+    assert main(["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "cut", "--max_windows", "8"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    whole, cut = (load_file(str(tmp_path / "ck" / n / "step_00000008" / "tensors.safetensors")) for n in ("whole", "cut"))
+    assert whole.keys() == cut.keys() and whole["param.W_1"].shape == (3, 1, 3, 3) and whole["power.0"].shape == (2 * 3 * 2,)
+    for k in whole:
+        assert torch.equal(whole[k], cut[k]), k
