@@ -6,16 +6,17 @@ unrolled, so its gradient is the exact gradient of the loss at the (approximate)
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 
-from trainer2.energy import Energy, energy
-from trainer2.geometry import rotor_layers, rotor_matrix
-from trainer2.machine import Machine
+from trainer2.physics.energy import Energy, energy
+from trainer2.physics.machine import Machine
+from trainer2.physics.readout import rotor_layers, rotor_matrix
 
 
-def relax(x: Tensor, weights: list[Tensor], biases: list[Tensor], steps: int, dt: float, gamma: float, mass: float) -> list[Tensor]:
+def relax(
+    x: Tensor, weights: list[Tensor], biases: list[Tensor], steps: int, dt: float, gamma: float, mass: float
+) -> list[Tensor]:
     """Unrolled damped leapfrog on the layered energy from s = p = 0; returns the final state [h_1.., q]."""
     s = [torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype) for w in weights]
     p = [torch.zeros_like(t) for t in s]
@@ -33,7 +34,17 @@ def relax(x: Tensor, weights: list[Tensor], biases: list[Tensor], steps: int, dt
     return s
 
 
-def readout_loss(q: Tensor, targets: Tensor, g_diag: Tensor, theta: Tensor, protos: Tensor, r_sc: Tensor, machine: Machine, beta_r: float, eps: float) -> Tensor:
+def readout_loss(
+    q: Tensor,
+    targets: Tensor,
+    g_diag: Tensor,
+    theta: Tensor,
+    protos: Tensor,
+    r_sc: Tensor,
+    machine: Machine,
+    beta_r: float,
+    eps: float,
+) -> Tensor:
     """Per-example -log p_y with explicit (B, V, n) differences and log_softmax."""
     rot = rotor_matrix(rotor_layers(theta, machine.layout))
     z = (q[:, None, :] - protos[None]) @ rot.T
@@ -41,7 +52,17 @@ def readout_loss(q: Tensor, targets: Tensor, g_diag: Tensor, theta: Tensor, prot
     return -torch.log_softmax(-beta_r * cost, dim=1).gather(1, targets[:, None]).squeeze(1)
 
 
-def exact_grads(machine: Machine, inputs: Tensor, targets: Tensor, steps: int, dt: float, gamma: float, mass: float, beta_r: float, eps: float) -> tuple[dict[str, Tensor], Tensor]:
+def exact_grads(
+    machine: Machine,
+    inputs: Tensor,
+    targets: Tensor,
+    steps: int,
+    dt: float,
+    gamma: float,
+    mass: float,
+    beta_r: float,
+    eps: float,
+) -> tuple[dict[str, Tensor], Tensor]:
     """Autograd gradient of the batch-mean loss at the free equilibrium for every named parameter, and the loss."""
     names = list(machine.named_params())
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
@@ -50,7 +71,9 @@ def exact_grads(machine: Machine, inputs: Tensor, targets: Tensor, steps: int, d
         last = len(machine.energy.weights) - 1
         tags = [("out" if i == last else str(i + 1)) for i in range(last + 1)]
         s = relax(x, [leaves[f"W_{t}"] for t in tags], [leaves[f"b_{t}"] for t in tags], steps, dt, gamma, mass)
-        loss = readout_loss(s[-1], targets, leaves["g_diag"], leaves["theta"], leaves["protos"], leaves["r_sc"], machine, beta_r, eps).mean()
+        loss = readout_loss(
+            s[-1], targets, leaves["g_diag"], leaves["theta"], leaves["protos"], leaves["r_sc"], machine, beta_r, eps
+        ).mean()
         grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
     return {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}, loss.detach()
 
@@ -73,13 +96,24 @@ def relax_energy(x: Tensor, e: Energy, steps: int, dt: float, gamma: float, mass
     return s
 
 
-def exact_grads_energy(machine: Machine, x: Tensor, targets: Tensor, steps: int, dt: float, gamma: float, mass: float,
-                       beta_r: float, eps: float) -> dict[str, Tensor]:
+def exact_grads_energy(
+    machine: Machine,
+    x: Tensor,
+    targets: Tensor,
+    steps: int,
+    dt: float,
+    gamma: float,
+    mass: float,
+    beta_r: float,
+    eps: float,
+) -> dict[str, Tensor]:
     """As `exact_grads` for a feature or image machine (x (B, D) clamped) whose couplings may be of any kind."""
     names = list(machine.named_params())
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
     with torch.enable_grad():
         s = relax_energy(x, machine.energy.rebind(leaves), steps, dt, gamma, mass)
-        loss = readout_loss(s[-1], targets, leaves["g_diag"], leaves["theta"], leaves["protos"], leaves["r_sc"], machine, beta_r, eps).mean()
+        loss = readout_loss(
+            s[-1], targets, leaves["g_diag"], leaves["theta"], leaves["protos"], leaves["r_sc"], machine, beta_r, eps
+        ).mean()
         grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
     return {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}

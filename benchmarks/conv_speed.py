@@ -1,5 +1,5 @@
 """The conv coupling's pulls on the CPU: the adjoint (transposed convolution) with its input contiguous (NCHW) against
-channels-last (what trainer2/couplings/conv.py uses), and the upward pull, at the conv preset's layer sizes.
+channels-last (what trainer2/physics/couplings/conv.py uses), and the upward pull, at the conv preset's layer sizes.
 
     python benchmarks/conv_speed.py [--rows 64] [--rounds 15] [--threads 1]
 
@@ -19,10 +19,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer2.couplings import Conv  # noqa: E402
+from trainer2.physics.couplings import Conv  # noqa: E402
 
 # (below shape, spec) of the conv preset's two couplings on 28x28 digits
-LAYERS = [((1, 28, 28), {"channels": 16, "kernel": 5, "pool": 2}), ((16, 14, 14), {"channels": 32, "kernel": 3, "pool": 2})]
+LAYERS = [
+    ((1, 28, 28), {"channels": 16, "kernel": 5, "pool": 2}),
+    ((16, 14, 14), {"channels": 32, "kernel": 3, "pool": 2}),
+]
 
 
 def main() -> None:
@@ -41,8 +44,9 @@ def main() -> None:
 
         def nchw() -> None:
             a = above.view(args.rows, *c.above_shape)
-            y = F.conv_transpose2d(a, c.pooled_kernel(), stride=c.pool, padding=c.padding,
-                                   output_padding=c.output_padding)
+            y = F.conv_transpose2d(
+                a, c.pooled_kernel(), stride=c.pool, padding=c.padding, output_padding=c.output_padding
+            )
             out.copy_(y.view(out.shape))
 
         def channels_last() -> None:
@@ -60,8 +64,11 @@ def main() -> None:
                     fn()
                 times[name].append((time.perf_counter() - start) / 5 * 1e3)
         med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"{below} -> {c.above_shape}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items())
-              + f"; NCHW / channels-last {med['adjoint NCHW'] / med['adjoint channels-last']:.2f}x")
+        print(
+            f"{below} -> {c.above_shape}: "
+            + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items())
+            + f"; NCHW / channels-last {med['adjoint NCHW'] / med['adjoint channels-last']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -32,11 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.ep_cosine import measure  # noqa: E402
 from trainer2.cli import train_parser  # noqa: E402
 from trainer2.flags import resolve_config  # noqa: E402
-from trainer2.relaxation import Relaxation  # noqa: E402
-from trainer2.trainer import Trainer, lr_at  # noqa: E402
+from trainer2.physics.relaxation import Relaxation  # noqa: E402
+from trainer2.running.trainer import Trainer, lr_at  # noqa: E402
 
 
-def settle_profile(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor, steps: int) -> tuple[list[float], list[float]]:
+def settle_profile(
+    trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor, steps: int
+) -> tuple[list[float], list[float]]:
     """Free phase of `steps` steps from rest with the trainer's own window: per step, the batch-mean spd and the
     largest |s_t - s_{t-1}| over every state coordinate."""
     cfg = trainer.cfg.model_copy(update={"free_steps": steps})
@@ -64,9 +66,13 @@ def first_within(trace: list[float], floor: float) -> float:
 def settle_summary(spd: list[float], moved: list[float], t_free: int, eps: float) -> dict[str, float]:
     """spd's floor is sqrt(eps); the state's is its rounding level, taken as the smallest change over the last
     quarter of the long window but at least 1e-6 (a float32 state stops moving near 1e-7)."""
-    state_floor = max(min(moved[-max(1, len(moved) // 4):]), 1e-6)
-    return {"settle_spd": first_within(spd, eps**0.5), "settle_state": first_within(moved, state_floor),
-            "spd_T": spd[t_free - 1] / eps**0.5, "moved_T": moved[t_free - 1]}
+    state_floor = max(min(moved[-max(1, len(moved) // 4) :]), 1e-6)
+    return {
+        "settle_spd": first_within(spd, eps**0.5),
+        "settle_state": first_within(moved, state_floor),
+        "spd_T": spd[t_free - 1] / eps**0.5,
+        "moved_T": moved[t_free - 1],
+    }
 
 
 def grad_norms(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -81,14 +87,33 @@ def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def rel_change(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> dict[str, float]:
     """|after - before| / max(|before|, |after|) per tensor: relative, and finite for tensors that start at zero (biases)."""
-    return {n: float((after[n] - before[n]).norm() / torch.maximum(before[n].norm(), after[n].norm()).clamp_min(1e-12)) for n in before}
+    return {
+        n: float((after[n] - before[n]).norm() / torch.maximum(before[n].norm(), after[n].norm()).clamp_min(1e-12))
+        for n in before
+    }
 
 
-def run_depth(args: argparse.Namespace, depth: int, ck_dir: str) -> tuple[dict[str, float], list[tuple[str, list[float]]]]:
+def run_depth(
+    args: argparse.Namespace, depth: int, ck_dir: str
+) -> tuple[dict[str, float], list[tuple[str, list[float]]]]:
     """One depth: returns (summary row, per-parameter detail rows)."""
-    flags = ["--preset", args.preset, "--device", "cpu", "--run_name", f"depth{depth}", "--checkpoint_dir", ck_dir,
-             "--hidden_sizes", *[str(args.width)] * depth, "--max_windows", str(max(1, args.train_windows)), "--eval_batches", "none",
-             *args.extra]
+    flags = [
+        "--preset",
+        args.preset,
+        "--device",
+        "cpu",
+        "--run_name",
+        f"depth{depth}",
+        "--checkpoint_dir",
+        ck_dir,
+        "--hidden_sizes",
+        *[str(args.width)] * depth,
+        "--max_windows",
+        str(max(1, args.train_windows)),
+        "--eval_batches",
+        "none",
+        *args.extra,
+    ]
     cfg = resolve_config(train_parser().parse_args(flags))
     trainer = Trainer(cfg, log=lambda *_: None)
     probe_in, probe_tg = trainer.next_batch()  # one fixed batch for the settling and gradient-norm probes
@@ -138,7 +163,9 @@ def main() -> None:
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3, 4], help="numbers of hidden layers")
     p.add_argument("--width", type=int, default=256, help="size of every hidden layer")
     p.add_argument("--train_windows", type=int, default=3000)
-    p.add_argument("--settle_steps", type=int, default=80, help="length of the long free phase the settling is read from")
+    p.add_argument(
+        "--settle_steps", type=int, default=80, help="length of the long free phase the settling is read from"
+    )
     p.add_argument("--cosine_batches", type=int, default=2)
     p.add_argument("--true_steps", type=int, default=400, help="relaxation steps of the converged autograd reference")
     p.add_argument("--probe_every", type=int, default=50, help="windows between update-norm probes")
@@ -149,20 +176,37 @@ def main() -> None:
         for depth in args.depths:
             row, detail = run_depth(args, depth, ck_dir)
             rows.append(row)
-            print(f"\nhidden {[args.width] * depth}: per parameter (cos = EP vs exact, |g| = EP gradient norm; "
-                  f"step = mean relative change per window, total = relative change from init to end: |a - b| / max(|a|, |b|))")
+            print(
+                f"\nhidden {[args.width] * depth}: per parameter (cos = EP vs exact, |g| = EP gradient norm; "
+                f"step = mean relative change per window, total = relative change from init to end: |a - b| / max(|a|, |b|))"
+            )
             print(f"{'':>7} {'cos init':>9} {'|g| init':>9} {'step':>9} {'total':>9} {'cos end':>9} {'|g| end':>9}")
             for n, v in detail:
                 end = v[4:6] if len(v) >= 6 else [float("nan")] * 2
                 print(f"{n:>7} {v[0]:9.5f} {v[1]:9.2e} {v[2]:9.2e} {v[3]:9.2e} {end[0]:9.5f} {end[1]:9.2e}", flush=True)
-    cols = [("depth", "{:>5.0f}"), ("settle_spd_init", "{:>15.0f}"), ("settle_spd_trained", "{:>18.0f}"),
-            ("settle_state_init", "{:>17.0f}"), ("settle_state_trained", "{:>20.0f}"), ("spd_T_init", "{:>10.2f}"),
-            ("spd_T_trained", "{:>13.2f}"), ("moved_T_init", "{:>12.1e}"), ("moved_T_trained", "{:>15.1e}"),
-            ("cos_init", "{:>8.5f}"), ("cos_trained", "{:>11.5f}"), ("cos_min_init", "{:>12.5f}"), ("cos_min_trained", "{:>15.5f}"),
-            ("bpc", "{:>6.3f}"), ("acc", "{:>6.3f}"), ("win_s", "{:>6.1f}")]
-    print(f"\npreset {args.preset}, width {args.width}, {args.train_windows} training windows; settle_* = first step from which spd / the largest "
-          f"state change stays within 2x of its floor (of {args.settle_steps} steps); spd_T = spd at the preset's T_free / floor; moved_T = max |s_T - s_(T-1)|; "
-          "cos_min = lowest per-tensor energy cosine (W_i, b_i)")
+    cols = [
+        ("depth", "{:>5.0f}"),
+        ("settle_spd_init", "{:>15.0f}"),
+        ("settle_spd_trained", "{:>18.0f}"),
+        ("settle_state_init", "{:>17.0f}"),
+        ("settle_state_trained", "{:>20.0f}"),
+        ("spd_T_init", "{:>10.2f}"),
+        ("spd_T_trained", "{:>13.2f}"),
+        ("moved_T_init", "{:>12.1e}"),
+        ("moved_T_trained", "{:>15.1e}"),
+        ("cos_init", "{:>8.5f}"),
+        ("cos_trained", "{:>11.5f}"),
+        ("cos_min_init", "{:>12.5f}"),
+        ("cos_min_trained", "{:>15.5f}"),
+        ("bpc", "{:>6.3f}"),
+        ("acc", "{:>6.3f}"),
+        ("win_s", "{:>6.1f}"),
+    ]
+    print(
+        f"\npreset {args.preset}, width {args.width}, {args.train_windows} training windows; settle_* = first step from which spd / the largest "
+        f"state change stays within 2x of its floor (of {args.settle_steps} steps); spd_T = spd at the preset's T_free / floor; moved_T = max |s_T - s_(T-1)|; "
+        "cos_min = lowest per-tensor energy cosine (W_i, b_i)"
+    )
     print(" ".join(f"{name:>5}" for name, _ in cols))
     for r in rows:
         print(" ".join(fmt.format(r.get(name, float("nan"))) for name, fmt in cols))

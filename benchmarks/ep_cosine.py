@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.autograd_reference import cosine, exact_grads  # noqa: E402
 from trainer2.cli import train_parser  # noqa: E402
 from trainer2.flags import resolve_config  # noqa: E402
-from trainer2.machine import move_machine  # noqa: E402
-from trainer2.trainer import Trainer  # noqa: E402
+from trainer2.physics.machine import move_machine  # noqa: E402
+from trainer2.running.trainer import Trainer  # noqa: E402
 
 
 def to_float64(machine):
@@ -41,7 +41,17 @@ def measure(trainer: Trainer, batches: int, true_steps: int, per_param: bool = F
         inputs, targets = trainer.next_batch()
         with torch.no_grad():
             est = trainer.gradients(trainer.relaxation, inputs.to(trainer.device), targets.to(trainer.device)).grads
-        ref, _ = exact_grads(to_float64(trainer.machine), inputs.cpu(), targets.cpu(), true_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+        ref, _ = exact_grads(
+            to_float64(trainer.machine),
+            inputs.cpu(),
+            targets.cpu(),
+            true_steps,
+            cfg.dt,
+            cfg.gamma,
+            cfg.mass,
+            cfg.retrieval_beta,
+            cfg.eps,
+        )
         groups: dict[str, tuple[list, list]] = {}
         for n, g in est.items():
             a, b = groups.setdefault(trainer.machine.param_groups()[n], ([], []))
@@ -65,15 +75,34 @@ def main() -> None:
     p.add_argument("--hidden_sizes", type=int, nargs="+", help="override the preset's hidden layers (e.g. 256 256 256)")
     args = p.parse_args()
     hidden = [] if args.hidden_sizes is None else ["--hidden_sizes", *map(str, args.hidden_sizes)]
-    cfg = resolve_config(train_parser().parse_args(["--preset", args.preset, "--device", "cpu", "--run_name", f"ep_cosine_{args.preset}",
-                                                    "--max_windows", str(max(1, args.train_windows)), "--eval_batches", "2", *hidden]))
+    cfg = resolve_config(
+        train_parser().parse_args(
+            [
+                "--preset",
+                args.preset,
+                "--device",
+                "cpu",
+                "--run_name",
+                f"ep_cosine_{args.preset}",
+                "--max_windows",
+                str(max(1, args.train_windows)),
+                "--eval_batches",
+                "2",
+                *hidden,
+            ]
+        )
+    )
     trainer = Trainer(cfg, log=lambda *_: None)
-    print(f"preset {args.preset}, layers {cfg.layers}: T_free={cfg.free_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, "
-          f"symmetric={cfg.symmetric_nudge}, dtype={cfg.dtype}; reference: {args.true_steps} steps, float64")
+    print(
+        f"preset {args.preset}, layers {cfg.layers}: T_free={cfg.free_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, "
+        f"symmetric={cfg.symmetric_nudge}, dtype={cfg.dtype}; reference: {args.true_steps} steps, float64"
+    )
     rows = [("init", measure(trainer, args.batches, args.true_steps, args.per_param))]
     if args.train_windows:
         trainer.train()
-        rows.append((f"after {args.train_windows} windows", measure(trainer, args.batches, args.true_steps, args.per_param)))
+        rows.append(
+            (f"after {args.train_windows} windows", measure(trainer, args.batches, args.true_steps, args.per_param))
+        )
     keys = list(rows[0][1])
     width = max(9, *map(len, keys))
     print(f"{'':>{width}} " + " ".join(f"{label:>22}" for label, _ in rows))  # one line per group or parameter

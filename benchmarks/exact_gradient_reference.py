@@ -28,15 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.autograd_reference import exact_grads, readout_loss  # noqa: E402
 from trainer2.cli import train_parser  # noqa: E402
-from trainer2.flags import resolve_config  # noqa: E402
 from trainer2.config import ConfigError, TrainConfig  # noqa: E402
-from trainer2.data import DataError, Sampler, heldout_batches  # noqa: E402
-from trainer2.evaluation import EVAL_BATCH  # noqa: E402
-from trainer2.geometry import ReadoutScratch, target_mask, readout_frame, readout_loss_and_grads  # noqa: E402
-from trainer2.gradients import StepResult  # noqa: E402
-from trainer2.machine import Machine, project_constraints  # noqa: E402
-from trainer2.relaxation import Relaxation, WindowStats  # noqa: E402
-from trainer2.trainer import Trainer, lr_at  # noqa: E402
+from trainer2.flags import resolve_config  # noqa: E402
+from trainer2.io.data import DataError, Sampler, heldout_batches  # noqa: E402
+from trainer2.learning.gradients import StepResult  # noqa: E402
+from trainer2.physics.machine import Machine, project_constraints  # noqa: E402
+from trainer2.physics.readout import ReadoutScratch, readout_frame, readout_loss_and_grads, target_mask  # noqa: E402
+from trainer2.physics.relaxation import Relaxation, WindowStats  # noqa: E402
+from trainer2.running.evaluation import EVAL_BATCH  # noqa: E402
+from trainer2.running.trainer import Trainer, lr_at  # noqa: E402
 
 
 def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResult:
@@ -50,7 +50,9 @@ def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepR
         stats = relax.free_stats()
         loss, probs = relax.readout_scores(free)
     with relax.phase("update"), torch.inference_mode(False):  # the step runs in inference mode; autograd needs it off
-        exact, _ = exact_grads(m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+        exact, _ = exact_grads(
+            m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps
+        )
     return StepResult(exact, loss, probs, WindowStats(**stats, lior_nudge=torch.zeros_like(stats["lior_mean"])))
 
 
@@ -61,7 +63,9 @@ def exact_trainer(cfg: TrainConfig, log=print) -> Trainer:
     if cfg.device not in ("cpu", "auto"):
         raise ConfigError(f"the exact-gradient reference runs on the CPU, got device {cfg.device!r}")
     if cfg.use_torch_compile or cfg.use_cudagraphs:
-        raise ConfigError("the exact-gradient reference runs eagerly (autograd inside the step): drop --use_torch_compile / --use_cudagraphs")
+        raise ConfigError(
+            "the exact-gradient reference runs eagerly (autograd inside the step): drop --use_torch_compile / --use_cudagraphs"
+        )
     return Trainer(cfg.model_copy(update={"device": "cpu"}), gradients=exact_gradients, log=log)
 
 
@@ -77,7 +81,9 @@ def ff_forward(m: Machine, inputs: Tensor, act: str, head: list[Tensor] | None) 
     return q @ head[0].T + head[1] if head is not None else q
 
 
-def ff_loss(m: Machine, cfg: TrainConfig, inputs: Tensor, targets: Tensor, act: str, head: list[Tensor] | None) -> Tensor:
+def ff_loss(
+    m: Machine, cfg: TrainConfig, inputs: Tensor, targets: Tensor, act: str, head: list[Tensor] | None
+) -> Tensor:
     """Per-example loss (B,) in nats: the linear softmax head when given, else the machine's geometric readout."""
     out = ff_forward(m, inputs, act, head)
     if head is not None:
@@ -86,7 +92,9 @@ def ff_loss(m: Machine, cfg: TrainConfig, inputs: Tensor, targets: Tensor, act: 
     return readout_loss(out, targets, r.g_diag, r.theta, r.protos, r.r_sc, m, cfg.retrieval_beta, cfg.eps)
 
 
-def train_feedforward(cfg: TrainConfig, examples: int, act: str = "relu", head_kind: str = "readout", capped: bool = False) -> dict[str, float]:
+def train_feedforward(
+    cfg: TrainConfig, examples: int, act: str = "relu", head_kind: str = "readout", capped: bool = False
+) -> dict[str, float]:
     """Backprop + Adam on the feed-forward net for `examples` examples; returns held-out bpc and accuracy.
 
     Same initial tensors (build_machine with cfg.seed), same sampler order and held-out split as the trainer.
@@ -97,7 +105,10 @@ def train_feedforward(cfg: TrainConfig, examples: int, act: str = "relu", head_k
     dtype = m.readout.protos.dtype
     head = None
     if head_kind == "linear":
-        head = [torch.randn(m.num_classes, cfg.coord_dim_n, generator=gen, dtype=dtype) / math.sqrt(cfg.coord_dim_n), torch.zeros(m.num_classes, dtype=dtype)]
+        head = [
+            torch.randn(m.num_classes, cfg.coord_dim_n, generator=gen, dtype=dtype) / math.sqrt(cfg.coord_dim_n),
+            torch.zeros(m.num_classes, dtype=dtype),
+        ]
     named = {**m.named_params(), **({"head.weight": head[0], "head.bias": head[1]} if head else {})}
     scale = {"energy": 1.0, "readout": cfg.eta_readout_scale, "embed": cfg.eta_embed_scale}
     group_of = {**m.param_groups(), "head.weight": "readout", "head.bias": "readout"}
@@ -140,7 +151,9 @@ def train_feedforward(cfg: TrainConfig, examples: int, act: str = "relu", head_k
 
 def benchmark_config(preset: str, examples: int, flags: list[str], run_name: str = "quality") -> TrainConfig:
     """The preset on the CPU, resized to `examples` (whole batches, schedule included); later flags override it."""
-    cfg = resolve_config(train_parser().parse_args(["--preset", preset, "--device", "cpu", "--run_name", run_name, *flags]))
+    cfg = resolve_config(
+        train_parser().parse_args(["--preset", preset, "--device", "cpu", "--run_name", run_name, *flags])
+    )
     return cfg.model_copy(update={"max_windows": math.ceil(examples / cfg.batch_size), "max_epochs": None})
 
 
@@ -152,8 +165,10 @@ def main() -> None:
     args, flags = p.parse_known_args()
     cfg = benchmark_config(args.preset, args.examples, flags, "exact_reference")
     summary = exact_trainer(cfg).train()
-    print(f"exact-gradient reference: held-out bpc {summary['heldout_bpc']:.4f} after {summary['examples_seen']} examples "
-          f"({summary['wall_seconds']:.0f} s)")
+    print(
+        f"exact-gradient reference: held-out bpc {summary['heldout_bpc']:.4f} after {summary['examples_seen']} examples "
+        f"({summary['wall_seconds']:.0f} s)"
+    )
     if args.ff:
         ff = train_feedforward(cfg, summary["examples_seen"])
         print(f"feed-forward backprop: held-out bpc {ff['heldout_bpc']:.4f}, acc {ff['heldout_acc']:.3f}")

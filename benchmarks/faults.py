@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from trainer2 import checkpoint as ck  # noqa: E402
-from trainer2.telemetry import TELEMETRY_FILE, read_telemetry, trim  # noqa: E402
+from trainer2.io.telemetry import TELEMETRY_FILE, read_telemetry, trim  # noqa: E402
+from trainer2.running import checkpoint as ck  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CLOCK = ("wall_seconds", "windows_per_second")
@@ -41,16 +41,31 @@ class Runs:
 
     def __init__(self, root: Path, windows: int) -> None:
         self.root, self.n = root, 0
-        self.base = ["--preset", "dev", "--max_windows", str(windows), "--log_every_windows", "25", "--eval_every_windows", "0",
-                     "--eval_batches", "4"]
+        self.base = [
+            "--preset",
+            "dev",
+            "--max_windows",
+            str(windows),
+            "--log_every_windows",
+            "25",
+            "--eval_every_windows",
+            "0",
+            "--eval_batches",
+            "4",
+        ]
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
 
     def start(self, *argv: str, ckdir: Path | None = None) -> subprocess.Popen:
         self.n += 1
         log = self.root / f"proc{self.n}"
-        return subprocess.Popen([sys.executable, "main.py", *argv, "--checkpoint_dir", str(ckdir or self.root / "ck")], cwd=REPO,
-                                env=self.env, stdout=open(f"{log}.out", "w"), stderr=open(f"{log}.err", "w"),
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        return subprocess.Popen(
+            [sys.executable, "main.py", *argv, "--checkpoint_dir", str(ckdir or self.root / "ck")],
+            cwd=REPO,
+            env=self.env,
+            stdout=open(f"{log}.out", "w"),
+            stderr=open(f"{log}.err", "w"),
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
 
     def output(self, stream: str) -> str:
         """The last process's "out" or "err"."""
@@ -114,7 +129,12 @@ def preemption(runs: Runs, ref: Path, windows: int, count: int, rng: random.Rand
             break
         argv = command or ["--resume", "latest", "--run_name", "pre"]
     equal, lost = same_run(ref, run_dir, windows)
-    return {"injected": injected, "survived": survived if equal else 0, "bitwise_equal": equal, "telemetry_bytes_lost": lost}
+    return {
+        "injected": injected,
+        "survived": survived if equal else 0,
+        "bitwise_equal": equal,
+        "telemetry_bytes_lost": lost,
+    }
 
 
 def kills(runs: Runs, ref: Path, windows: int, count: int, rng: random.Random) -> dict:
@@ -159,9 +179,16 @@ def kills(runs: Runs, ref: Path, windows: int, count: int, rng: random.Random) -
             run_dir = runs.root / "ck" / f"kill{injected}"
             argv = [*runs.base, "--run_name", run_dir.name, "--save_every_windows", "50"]
     equal, lost = same_run(ref, run_dir, windows)
-    return {"injected": injected, "survived": injected if equal and not torn else 0, "bitwise_equal": equal,
-            "torn_checkpoints": torn, "windows_redone_past_last_checkpoint": redone, "orphans_removed": orphans, "orphans_removed_mib": round(freed, 1),
-            "telemetry_bytes_lost": lost}
+    return {
+        "injected": injected,
+        "survived": injected if equal and not torn else 0,
+        "bitwise_equal": equal,
+        "torn_checkpoints": torn,
+        "windows_redone_past_last_checkpoint": redone,
+        "orphans_removed": orphans,
+        "orphans_removed_mib": round(freed, 1),
+        "telemetry_bytes_lost": lost,
+    }
 
 
 def full_disk(runs: Runs, ref: Path, windows: int) -> dict:
@@ -181,9 +208,16 @@ def full_disk(runs: Runs, ref: Path, windows: int) -> dict:
         rc = proc.wait()
         err = runs.output("err")
         intact = all(ck.load_tensors(p, ck.read_meta(p)) is not None for p in ck.list_checkpoints(run_dir))
-        events.append({"fault": "save on a full disk", "exit": rc, "message": (err.strip().splitlines() or [""])[-1],
-                       "traceback": "Traceback" in err, "earlier_checkpoints_intact": intact,
-                       "temporary_dirs_left": len([p for p in run_dir.iterdir() if p.name.startswith(".tmp")])})
+        events.append(
+            {
+                "fault": "save on a full disk",
+                "exit": rc,
+                "message": (err.strip().splitlines() or [""])[-1],
+                "traceback": "Traceback" in err,
+                "earlier_checkpoints_intact": intact,
+                "temporary_dirs_left": len([p for p in run_dir.iterdir() if p.name.startswith(".tmp")]),
+            }
+        )
         subprocess.run(["mount", "-o", f"remount,size={int(4.5 * size) + 65536}", str(mnt)], check=True)
         # Cut the rows the failed run logged past its checkpoint now (the resumed run would, freeing their pages),
         # then fill the disk to less than a page: the resumed run's appends soon cross into a page it cannot get.
@@ -193,9 +227,16 @@ def full_disk(runs: Runs, ref: Path, windows: int) -> dict:
         rc = proc.wait()
         err = runs.output("err")
         torn = not (run_dir / TELEMETRY_FILE).read_bytes().endswith(b"\n")
-        events.append({"fault": "write on a filled disk", "exit": rc, "message": (err.strip().splitlines() or [""])[-1],
-                       "traceback": "Traceback" in err, "telemetry_line_torn": torn,
-                       "rows_readable": rows(run_dir)})
+        events.append(
+            {
+                "fault": "write on a filled disk",
+                "exit": rc,
+                "message": (err.strip().splitlines() or [""])[-1],
+                "traceback": "Traceback" in err,
+                "telemetry_line_torn": torn,
+                "rows_readable": rows(run_dir),
+            }
+        )
         (mnt / "filler").unlink()
         proc = runs.start("--resume", "latest", "--run_name", "full", ckdir=mnt)
         rc = proc.wait()
@@ -203,8 +244,13 @@ def full_disk(runs: Runs, ref: Path, windows: int) -> dict:
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
     ok = all(e["exit"] == 74 and not e["traceback"] for e in events) and equal
-    return {"injected": len(events), "survived": len(events) if ok else 0, "events": events, "bitwise_equal": equal,
-            "telemetry_bytes_lost": lost}
+    return {
+        "injected": len(events),
+        "survived": len(events) if ok else 0,
+        "events": events,
+        "bitwise_equal": equal,
+        "telemetry_bytes_lost": lost,
+    }
 
 
 def contention(runs: Runs) -> dict:
@@ -215,8 +261,13 @@ def contention(runs: Runs) -> dict:
     wait(lambda: ck.list_checkpoints(run_dir), proc)
     refused = 0
     for argv in ([*runs.base, "--run_name", "busy"], ["--resume", "latest", "--run_name", "busy"]):
-        other = subprocess.run([sys.executable, "main.py", *argv, "--checkpoint_dir", str(runs.root / "ck")], cwd=REPO,
-                               env=runs.env, capture_output=True, text=True)
+        other = subprocess.run(
+            [sys.executable, "main.py", *argv, "--checkpoint_dir", str(runs.root / "ck")],
+            cwd=REPO,
+            env=runs.env,
+            capture_output=True,
+            text=True,
+        )
         refused += other.returncode == 2 and f"pid {proc.pid}" in other.stderr
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait()
@@ -229,21 +280,48 @@ def foreign_resume(runs: Runs, ref: Path, windows: int) -> dict:
     """Resume the reference's checkpoint into another existing run: refused, that run's files unchanged."""
     victim = runs.root / "ck" / "pre"
     before = {p: p.read_bytes() for p in victim.rglob("*") if p.is_file() and p.name != ".lock"}
-    other = subprocess.run([sys.executable, "main.py", "--resume", str(ref / ck.step_name(windows)), "--run_name", "pre",
-                            "--keep_last", "1", "--checkpoint_dir", str(runs.root / "ck")], cwd=REPO, env=runs.env,
-                           capture_output=True, text=True)
+    other = subprocess.run(
+        [
+            sys.executable,
+            "main.py",
+            "--resume",
+            str(ref / ck.step_name(windows)),
+            "--run_name",
+            "pre",
+            "--keep_last",
+            "1",
+            "--checkpoint_dir",
+            str(runs.root / "ck"),
+        ],
+        cwd=REPO,
+        env=runs.env,
+        capture_output=True,
+        text=True,
+    )
     after = {p: p.read_bytes() for p in victim.rglob("*") if p.is_file() and p.name != ".lock"}
     ok = other.returncode == 2 and after == before
-    return {"injected": 1, "survived": int(ok), "bytes_lost": sum(len(v) for k, v in before.items() if after.get(k) != v)}
+    return {
+        "injected": 1,
+        "survived": int(ok),
+        "bytes_lost": sum(len(v) for k, v in before.items() if after.get(k) != v),
+    }
 
 
 def divergence(runs: Runs) -> dict:
     """A learning rule that blows up (momentum, lr 1, weight decay 10): exit 3, summary.json says so in strict JSON."""
-    proc = runs.start(*runs.base, "--run_name", "blowup", "--update_rule", "momentum", "--eta_update", "1", "--weight_decay", "10")
+    proc = runs.start(
+        *runs.base, "--run_name", "blowup", "--update_rule", "momentum", "--eta_update", "1", "--weight_decay", "10"
+    )
     rc = proc.wait()
     summary = json.loads((runs.root / "ck" / "blowup" / "summary.json").read_text(), parse_constant=lambda c: None)
     ok = rc == 3 and summary["diverged"] is True
-    return {"injected": 1, "survived": int(ok), "exit": rc, "stopped_at_window": summary["windows"], "error": summary.get("error")}
+    return {
+        "injected": 1,
+        "survived": int(ok),
+        "exit": rc,
+        "stopped_at_window": summary["windows"],
+        "error": summary.get("error"),
+    }
 
 
 def main() -> int:
@@ -252,7 +330,9 @@ def main() -> int:
     p.add_argument("--interrupts", type=int, default=8)
     p.add_argument("--kills", type=int, default=9)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="Where the runs go (default: a temporary directory, removed after).")
+    p.add_argument(
+        "--out", type=Path, default=None, help="Where the runs go (default: a temporary directory, removed after)."
+    )
     args = p.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="trainer2-faults-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -270,7 +350,10 @@ def main() -> int:
         "divergence": divergence(runs),
     }
     for name, r in results.items():
-        print(f"{name}: {r.get('survived', '-')} of {r.get('injected', '-')} survived" + (f" ({r['skipped']})" if "skipped" in r else ""))
+        print(
+            f"{name}: {r.get('survived', '-')} of {r.get('injected', '-')} survived"
+            + (f" ({r['skipped']})" if "skipped" in r else "")
+        )
     total = sum(r.get("injected", 0) for r in results.values()), sum(r.get("survived", 0) for r in results.values())
     print(json.dumps({"faults_injected": total[0], "faults_survived": total[1], "scenarios": results}, indent=1))
     if args.out is None:

@@ -23,7 +23,9 @@ GOAL_SPEEDUP = 5.0
 def run_tests() -> list[tuple[str, str]]:
     """(test id, PASSED/FAILED/SKIPPED/ERROR) for every test, from pytest's -rA summary."""
     env = {**os.environ, "TRAINER2_SLOW_TESTS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "tests"], cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "tests"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     print(proc.stdout[-20000:], proc.stderr[-4000:], sep="\n")
     found = re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+)", proc.stdout, re.M)
     return [(test, result) for result, test in found] or [("pytest", f"exit {proc.returncode}, no summary")]
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from trainer2.bench import MODES, run
+    from trainer2.running.bench import MODES, run
 
     if not torch.cuda.is_available():
         print("gpu_checks: torch sees no CUDA GPU here; nothing to check", file=sys.stderr)
@@ -48,17 +50,35 @@ def main(argv: list[str] | None = None) -> int:
     by = {(r.batch, r.mode): r for r in rows}
     summary: list[tuple[str, str]] = [(t, r) for t, r in tests if "capture" in t or r not in ("PASSED", "SKIPPED")]
     passed = sum(r == "PASSED" for _, r in tests)
-    summary.append(("all tests", f"{passed} passed, {sum(r in ('FAILED', 'ERROR') for _, r in tests)} failed, "
-                                 f"{sum(r == 'SKIPPED' for _, r in tests)} skipped"))
+    summary.append(
+        (
+            "all tests",
+            f"{passed} passed, {sum(r in ('FAILED', 'ERROR') for _, r in tests)} failed, "
+            f"{sum(r == 'SKIPPED' for _, r in tests)} skipped",
+        )
+    )
     eager, graph = by.get((8, "eager")), by.get((8, "graph"))
     if eager and graph and eager.windows_per_s and graph.windows_per_s:
         ratio = graph.windows_per_s / eager.windows_per_s
-        summary.append(("graph vs eager, batch 8", f"{ratio:.2f}x ({'meets' if ratio >= GOAL_SPEEDUP else 'BELOW'} the {GOAL_SPEEDUP:g}x goal)"))
+        summary.append(
+            (
+                "graph vs eager, batch 8",
+                f"{ratio:.2f}x ({'meets' if ratio >= GOAL_SPEEDUP else 'BELOW'} the {GOAL_SPEEDUP:g}x goal)",
+            )
+        )
     comp = by.get((8, "compile"))
     if eager and comp and comp.kernels_per_step:
-        summary.append(("kernels/relax step, batch 8", f"eager {eager.kernels_per_step:.1f} -> compile {comp.kernels_per_step:.1f}"))
-    best = max((r for r in rows if r.batch == 8 and r.windows_per_s and r.mode in ("compile+graph", "reduce-overhead")),
-               key=lambda r: r.windows_per_s, default=None)
+        summary.append(
+            (
+                "kernels/relax step, batch 8",
+                f"eager {eager.kernels_per_step:.1f} -> compile {comp.kernels_per_step:.1f}",
+            )
+        )
+    best = max(
+        (r for r in rows if r.batch == 8 and r.windows_per_s and r.mode in ("compile+graph", "reduce-overhead")),
+        key=lambda r: r.windows_per_s,
+        default=None,
+    )
     if best:
         summary.append(("faster compile+graph variant, batch 8", f"{best.mode} ({best.windows_per_s:.1f} windows/s)"))
     width = max(len(k) for k, _ in summary)

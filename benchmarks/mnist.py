@@ -24,7 +24,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer2.config import build_config, preset_path, read_yaml  # noqa: E402
-from trainer2.trainer import Trainer  # noqa: E402
+from trainer2.running.trainer import Trainer  # noqa: E402
 
 HELDOUT = 1000
 
@@ -40,9 +40,18 @@ def write_mnist_sample(path: Path, seed: int = 0) -> Path:
 
 
 def config(preset: str, data: Path, out: Path, windows: int, overrides: dict):
-    values = {"data": str(data), "heldout_fraction": HELDOUT / 5000, "checkpoint_dir": str(out), "run_name": preset,
-              "max_windows": windows, "max_epochs": None, "eval_every_windows": 0, "save_every_windows": 0,
-              "log_every_windows": max(1, windows // 10), **overrides}
+    values = {
+        "data": str(data),
+        "heldout_fraction": HELDOUT / 5000,
+        "checkpoint_dir": str(out),
+        "run_name": preset,
+        "max_windows": windows,
+        "max_epochs": None,
+        "eval_every_windows": 0,
+        "save_every_windows": 0,
+        "log_every_windows": max(1, windows // 10),
+        **overrides,
+    }
     return build_config([(f"preset {preset}", read_yaml(preset_path(preset))), ("benchmark", values)])
 
 
@@ -58,8 +67,13 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="wall time of each preset's training run")
     p.add_argument("--presets", nargs="+", default=["conv", "dev"], help="presets to compare")
     p.add_argument("--calibrate", type=int, default=30, help="windows of the speed measurement before each run")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="a TrainConfig override (YAML value) for every preset, e.g. --set batch_size=32")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a TrainConfig override (YAML value) for every preset, e.g. --set batch_size=32",
+    )
     args = p.parse_args()
     overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,9 +87,19 @@ def main() -> None:
             fixed = max(t_short - short * per_window, 0.0)
             windows = max(1, int((args.minutes * 60 - fixed) / per_window))
             summary, wall = timed_run(preset, data, out / preset, windows, overrides)
-            print(json.dumps({"preset": preset, "windows": windows, "wall_s": round(wall, 1),
-                              "heldout_acc": round(summary["heldout_acc"], 4),
-                              "heldout_loss": round(summary["heldout_loss"], 4), **overrides}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "preset": preset,
+                        "windows": windows,
+                        "wall_s": round(wall, 1),
+                        "heldout_acc": round(summary["heldout_acc"], 4),
+                        "heldout_loss": round(summary["heldout_loss"], 4),
+                        **overrides,
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

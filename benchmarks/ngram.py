@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer2.data import load_dataset  # noqa: E402
+from trainer2.io.data import load_dataset  # noqa: E402
 
 K_GRID = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001, 0.0005, 0.0002, 0.0001)
 
@@ -55,7 +55,12 @@ def held_out_bits(train: np.ndarray, heldout: np.ndarray, n: int, vocab: int, co
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--orders", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="n-gram orders to fit")
-    parser.add_argument("--context_len", type=int, default=8, help="the trainer's context length (sets which held-out characters are predicted)")
+    parser.add_argument(
+        "--context_len",
+        type=int,
+        default=8,
+        help="the trainer's context length (sets which held-out characters are predicted)",
+    )
     parser.add_argument("--data", default=None, help="text file (default: the built-in corpus)")
     args = parser.parse_args()
     if any(n < 1 or n > args.context_len + 1 for n in args.orders):
@@ -67,8 +72,10 @@ def main() -> None:
     if vocab ** max(args.orders) >= 2**63:
         parser.error(f"vocabulary of {vocab} is too large for {max(args.orders)}-gram keys")
     train, heldout = data.train.numpy().astype(np.int64), data.heldout.numpy().astype(np.int64)
-    print(f"{data.source}: vocabulary {vocab}, train {len(train)} characters, held-out {len(heldout)} "
-          f"({len(heldout) - args.context_len} predicted)")
+    print(
+        f"{data.source}: vocabulary {vocab}, train {len(train)} characters, held-out {len(heldout)} "
+        f"({len(heldout) - args.context_len} predicted)"
+    )
     print("| order | best k | held-out bpc |\n| --- | --- | --- |")
     for n in args.orders:
         bits = held_out_bits(train, heldout, n, vocab, args.context_len)

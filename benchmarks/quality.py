@@ -24,9 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.ep_cosine import measure  # noqa: E402
 from benchmarks.exact_gradient_reference import benchmark_config, exact_trainer, train_feedforward  # noqa: E402
 from trainer2.config import ConfigError  # noqa: E402
-from trainer2.data import DataError  # noqa: E402
-from trainer2.trainer import Trainer  # noqa: E402
-
+from trainer2.io.data import DataError  # noqa: E402
+from trainer2.running.trainer import Trainer  # noqa: E402
 
 TOLERANCE = 0.02  # |EP / exact - 1| the two runs must stay within, either way
 
@@ -55,16 +54,23 @@ def run(trainer: Trainer) -> dict[str, float | list]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags.")
     p.add_argument("--preset", default="production", help="preset whose settings both machines use")
-    p.add_argument("--examples", type=int, default=2_000_000, help="training examples for each run (rounded up to whole batches)")
+    p.add_argument(
+        "--examples", type=int, default=2_000_000, help="training examples for each run (rounded up to whole batches)"
+    )
     p.add_argument("--cosine_batches", type=int, default=4, help="training batches the EP cosine is averaged over")
-    p.add_argument("--ff_head", choices=["readout", "linear"], default="readout", help="head of the feed-forward baseline")
+    p.add_argument(
+        "--ff_head", choices=["readout", "linear"], default="readout", help="head of the feed-forward baseline"
+    )
     p.add_argument("--skip", nargs="*", default=[], choices=["exact", "ff"], help="runs to leave out")
     p.add_argument("--json", help="also write the figures to this JSON file")
     args, flags = p.parse_known_args()
     cfg = benchmark_config(args.preset, args.examples, flags)
     quiet = lambda *_: None  # noqa: E731
-    print(f"preset {args.preset}: {cfg.max_windows} windows x {cfg.batch_size} = {cfg.max_windows * cfg.batch_size} examples per run; "
-          f"T_free={cfg.free_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, symmetric={cfg.symmetric_nudge}", flush=True)
+    print(
+        f"preset {args.preset}: {cfg.max_windows} windows x {cfg.batch_size} = {cfg.max_windows * cfg.batch_size} examples per run; "
+        f"T_free={cfg.free_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, symmetric={cfg.symmetric_nudge}",
+        flush=True,
+    )
     res: dict[str, dict] = {}
     ep = Trainer(cfg, log=quiet)
     res["ep"] = run(ep)
@@ -73,20 +79,34 @@ def main() -> None:
         res["exact"] = run(exact_trainer(cfg.model_copy(update={"run_name": "quality_exact"}), log=quiet))
     if "ff" not in args.skip:
         start = time.perf_counter()
-        res["ff"] = {**train_feedforward(cfg, cfg.max_windows * cfg.batch_size, head_kind=args.ff_head), "wall_seconds": time.perf_counter() - start}
+        res["ff"] = {
+            **train_feedforward(cfg, cfg.max_windows * cfg.batch_size, head_kind=args.ff_head),
+            "wall_seconds": time.perf_counter() - start,
+        }
 
     print(f"\n{'run':<32} {'held-out bpc':>12} {'acc':>6} {'max rise':>9} {'dropped':>8} {'wall s':>7}")
     names = {"ep": "EP trainer", "exact": "exact-gradient reference", "ff": f"feed-forward backprop ({args.ff_head})"}
     for k, r in res.items():
         rise = f"{r['max_rise']:9.3f}" if "max_rise" in r else f"{'-':>9}"
         dropped = f"{r['dropped_updates']:8.0f}" if "dropped_updates" in r else f"{'-':>8}"
-        print(f"{names[k]:<32} {r['heldout_bpc']:12.4f} {r['heldout_acc']:6.3f} {rise} {dropped} {r['wall_seconds']:7.0f}")
+        print(
+            f"{names[k]:<32} {r['heldout_bpc']:12.4f} {r['heldout_acc']:6.3f} {rise} {dropped} {r['wall_seconds']:7.0f}"
+        )
     if "exact" in res:
         ratio = res["ep"]["heldout_bpc"] / res["exact"]["heldout_bpc"]
-        print(f"\nratio EP / exact: {ratio:.4f} ({'within' if agrees(ratio) else 'OUTSIDE'} {TOLERANCE:.0%} either way)")
+        print(
+            f"\nratio EP / exact: {ratio:.4f} ({'within' if agrees(ratio) else 'OUTSIDE'} {TOLERANCE:.0%} either way)"
+        )
         res["ratio"], res["agrees"] = ratio, agrees(ratio)
-    print("EP cosine to the exact gradient (same window, end of training): " + ", ".join(f"{k} {v:.4f}" for k, v in cos.items()))
-    print("held-out bpc curve (examples, bpc): EP " + str(res["ep"]["curve"]) + ("; exact " + str(res["exact"]["curve"]) if "exact" in res else ""))
+    print(
+        "EP cosine to the exact gradient (same window, end of training): "
+        + ", ".join(f"{k} {v:.4f}" for k, v in cos.items())
+    )
+    print(
+        "held-out bpc curve (examples, bpc): EP "
+        + str(res["ep"]["curve"])
+        + ("; exact " + str(res["exact"]["curve"]) if "exact" in res else "")
+    )
     res["cosine"] = cos
     if args.json:
         Path(args.json).write_text(json.dumps({"config": cfg.model_dump(), **res}, indent=2) + "\n")

@@ -32,16 +32,31 @@ def command(procs: int, flags: list[str]) -> list[str]:
     """A plain `python main.py` for one process (no process group), torchrun for more."""
     if procs == 1:
         return [sys.executable, "main.py", *flags]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--standalone", "main.py", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(procs),
+        "--standalone",
+        "main.py",
+        *flags,
+    ]
 
 
 def measure(run_dir: Path, global_batch: int) -> tuple[float, float, float]:
     """(examples/s, all-reduce ms per window, step ms per window): medians over the telemetry rows after the first."""
     rows = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
     steady = rows[1:] or rows[-1:]
-    step = [sum(v for k, v in r.items() if k.startswith("time_") and k not in ("time_data_ms", "time_logging_ms")) for r in steady]
-    return (statistics.median(r["windows_per_second"] for r in steady) * global_batch,
-            statistics.median(r.get("time_allreduce_ms", 0.0) for r in steady), statistics.median(step))
+    step = [
+        sum(v for k, v in r.items() if k.startswith("time_") and k not in ("time_data_ms", "time_logging_ms"))
+        for r in steady
+    ]
+    return (
+        statistics.median(r["windows_per_second"] for r in steady) * global_batch,
+        statistics.median(r.get("time_allreduce_ms", 0.0) for r in steady),
+        statistics.median(step),
+    )
 
 
 def _allreduce_worker(rank: int, world: int, init: str, numel: int, out: str) -> None:
@@ -74,7 +89,7 @@ def bare_allreduce_ms(world: int, numel: int, tmp: str) -> float:
 def parameter_count(preset: str, extra: list[str]) -> int:
     from trainer2.cli import train_parser
     from trainer2.flags import resolve_config
-    from trainer2.trainer import Trainer
+    from trainer2.running.trainer import Trainer
 
     cfg = resolve_config(train_parser().parse_args(["--preset", preset, "--device", "cpu", *extra]))
     return sum(t.numel() for t in Trainer(cfg, log=lambda msg: None).params.tensors)
@@ -95,10 +110,30 @@ def main() -> int:
         for rep in range(args.repeats):
             for n in args.procs:
                 name = f"p{n}-r{rep}"
-                flags = ["--preset", args.preset, "--run_name", name, "--checkpoint_dir", tmp, "--batch_size", str(args.batch_size),
-                         "--max_windows", str(args.windows), "--log_every_windows", str(max(args.windows // 10, 1)),
-                         "--eval_every_windows", "0", "--eval_batches", "1", "--lr_warmup_windows", "0", "--device", "cpu",
-                         "--timing_debug", *extra]
+                flags = [
+                    "--preset",
+                    args.preset,
+                    "--run_name",
+                    name,
+                    "--checkpoint_dir",
+                    tmp,
+                    "--batch_size",
+                    str(args.batch_size),
+                    "--max_windows",
+                    str(args.windows),
+                    "--log_every_windows",
+                    str(max(args.windows // 10, 1)),
+                    "--eval_every_windows",
+                    "0",
+                    "--eval_batches",
+                    "1",
+                    "--lr_warmup_windows",
+                    "0",
+                    "--device",
+                    "cpu",
+                    "--timing_debug",
+                    *extra,
+                ]
                 done = subprocess.run(command(n, flags), cwd=ROOT, env=env, capture_output=True, text=True)
                 if done.returncode != 0:
                     print(done.stdout[-2000:] + done.stderr[-4000:], file=sys.stderr)
@@ -106,12 +141,19 @@ def main() -> int:
                 ex, red, step = measure(Path(tmp) / name, args.batch_size * n)
                 speeds[n].append(ex)
                 reduce_ms[n].append((red, step))
-                print(f"repeat {rep + 1}/{args.repeats}: {n} process(es): {ex:,.0f} examples/s, step {step:.2f} ms, "
-                      f"all-reduce {red:.2f} ms per window", flush=True)
+                print(
+                    f"repeat {rep + 1}/{args.repeats}: {n} process(es): {ex:,.0f} examples/s, step {step:.2f} ms, "
+                    f"all-reduce {red:.2f} ms per window",
+                    flush=True,
+                )
     base = statistics.median(speeds[args.procs[0]])
-    print(f"\nOMP_NUM_THREADS={env['OMP_NUM_THREADS']}, preset {args.preset}, batch {args.batch_size} per process, "
-          f"{args.windows} windows per run, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
-    print("| processes | examples/s (median) | each repeat | speed-up | all-reduce ms / step ms per window (rank 0, median) |")
+    print(
+        f"\nOMP_NUM_THREADS={env['OMP_NUM_THREADS']}, preset {args.preset}, batch {args.batch_size} per process, "
+        f"{args.windows} windows per run, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        "| processes | examples/s (median) | each repeat | speed-up | all-reduce ms / step ms per window (rank 0, median) |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for n in args.procs:
         med = statistics.median(speeds[n])
@@ -121,8 +163,10 @@ def main() -> int:
     numel = parameter_count(args.preset, extra)
     with tempfile.TemporaryDirectory() as tmp:
         for n in (n for n in args.procs if n > 1):
-            print(f"bare gloo all-reduce of {numel:,} float32 ({numel * 4 / 1024:.0f} KiB) between {n} processes: "
-                  f"{bare_allreduce_ms(n, numel, tmp):.2f} ms (best of 5 rounds of 100)")
+            print(
+                f"bare gloo all-reduce of {numel:,} float32 ({numel * 4 / 1024:.0f} KiB) between {n} processes: "
+                f"{bare_allreduce_ms(n, numel, tmp):.2f} ms (best of 5 rounds of 100)"
+            )
     return 0
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from trainer2.config import build_config, preset_path, read_yaml
-from trainer2.trainer import Trainer
+from trainer2.running.trainer import Trainer
 
 OUT = Path(__file__).resolve().parent / "data" / "reference_50_windows.json"
 CASES = {"dev": ("dev", {}), "deep": ("deep", {}), "dev_three_layers": ("dev", {"hidden_sizes": [48, 32, 24]})}
@@ -23,8 +23,16 @@ SAMPLES = 64  # entries kept per parameter, evenly spaced over its flattened ele
 
 def reference_config(preset: str, overrides: dict, checkpoint_dir: str):
     """The preset at float64 for 50 windows, no evaluation or checkpoints in between."""
-    flags = {"dtype": "float64", "max_windows": 50, "eval_every_windows": 0, "eval_batches": 1, "log_every_windows": 50,
-             "checkpoint_dir": checkpoint_dir, "run_name": "reference", **overrides}
+    flags = {
+        "dtype": "float64",
+        "max_windows": 50,
+        "eval_every_windows": 0,
+        "eval_batches": 1,
+        "log_every_windows": 50,
+        "checkpoint_dir": checkpoint_dir,
+        "run_name": "reference",
+        **overrides,
+    }
     return build_config([("preset", read_yaml(preset_path(preset))), ("test", flags)])
 
 
@@ -45,11 +53,19 @@ def main() -> None:
     cases = {}
     for case, (preset, overrides) in CASES.items():
         params = trained_parameters(preset, overrides)
-        cases[case] = {"preset": preset, "overrides": overrides, "params": {
-            name: {"shape": list(t.shape), "norm": float(t.norm()),
-                   "positions": (pos := sample_positions(t.numel())),
-                   "values": [float(v) for v in t.reshape(-1)[pos]]}
-            for name, t in params.items()}}
+        cases[case] = {
+            "preset": preset,
+            "overrides": overrides,
+            "params": {
+                name: {
+                    "shape": list(t.shape),
+                    "norm": float(t.norm()),
+                    "positions": (pos := sample_positions(t.numel())),
+                    "values": [float(v) for v in t.reshape(-1)[pos]],
+                }
+                for name, t in params.items()
+            },
+        }
     OUT.write_text(json.dumps({"commit": commit, "cases": cases}) + "\n")
     print(f"wrote {OUT}")
 

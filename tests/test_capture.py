@@ -9,15 +9,15 @@ import os
 
 import pytest
 import torch
+from tiny import tiny_config, tiny_machine
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tiny import tiny_config, tiny_machine
-from trainer2.capture import StaticBatch, StepRunner, step_tensors
-from trainer2.gradients import GradientSource, ep_gradients
-from trainer2.machine import move_machine
-from trainer2.memory import MemoryBank
-from trainer2.step import BatchStep, build_step
-from trainer2.trainer import Trainer
+from trainer2.learning.gradients import GradientSource, ep_gradients
+from trainer2.learning.step import BatchStep, build_step
+from trainer2.physics.machine import move_machine
+from trainer2.physics.memory import MemoryBank
+from trainer2.running.step_runner import StaticBatch, StepRunner, step_tensors
+from trainer2.running.trainer import Trainer
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (python -m benchmarks.gpu_checks on one)")
@@ -35,8 +35,13 @@ def fresh_step(device: str = "cpu", gradients: GradientSource = ep_gradients, **
 
 def batches(cfg, n: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, V, (cfg.batch_size, cfg.context_len), generator=gen),
-             torch.randint(0, V, (cfg.batch_size,), generator=gen)) for _ in range(n)]
+    return [
+        (
+            torch.randint(0, V, (cfg.batch_size, cfg.context_len), generator=gen),
+            torch.randint(0, V, (cfg.batch_size,), generator=gen),
+        )
+        for _ in range(n)
+    ]
 
 
 def run(step, batch_step: BatchStep, data, device: str = "cpu", first: int = 0) -> None:
@@ -79,8 +84,23 @@ def test_step_reads_nothing_back_and_draws_no_random_numbers():
     with torch.no_grad(), Spy() as spy:
         step.step(x, y)
     assert "index_copy_" in spy.ops  # the memory write is inside the step the graph captures
-    banned = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "_assert_async",
-              "rand", "randn", "randint", "bernoulli", "normal", "uniform", "multinomial", "randperm", "exponential"}
+    banned = {
+        "_local_scalar_dense",
+        "item",
+        "nonzero",
+        "is_nonzero",
+        "equal",
+        "_assert_async",
+        "rand",
+        "randn",
+        "randint",
+        "bernoulli",
+        "normal",
+        "uniform",
+        "multinomial",
+        "randperm",
+        "exponential",
+    }
     assert not spy.ops & banned, spy.ops & banned
 
 
@@ -89,8 +109,15 @@ def test_step_tensors_cover_everything_the_step_updates():
     found = step_tensors(step)
     storages = {t.untyped_storage().data_ptr() for t in found}
     relax, upd = step.relax, step.updater
-    must = [*relax.m.named_params().values(), *upd.tensors().values(), *step.memory.tensors().values(),
-            *relax.ws.state.s, *relax.s0.p, relax.ws.readout.pi, upd.grad]
+    must = [
+        *relax.m.named_params().values(),
+        *upd.tensors().values(),
+        *step.memory.tensors().values(),
+        *relax.ws.state.s,
+        *relax.s0.p,
+        relax.ws.readout.pi,
+        upd.grad,
+    ]
     assert all(t.untyped_storage().data_ptr() in storages for t in must)  # the parameters are views of one flat buffer
     assert len({id(t) for t in found}) == len(found)
 
@@ -135,8 +162,10 @@ def test_compiled_step_equals_eager():
     assert_same_state(eager, compiled, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not CUDA and not os.environ.get("TRAINER2_SLOW_TESTS"),
-                    reason="inductor spends minutes compiling C++ kernels on CPU; set TRAINER2_SLOW_TESTS=1 to run")
+@pytest.mark.skipif(
+    not CUDA and not os.environ.get("TRAINER2_SLOW_TESTS"),
+    reason="inductor spends minutes compiling C++ kernels on CPU; set TRAINER2_SLOW_TESTS=1 to run",
+)
 def test_inductor_compiled_step_equals_eager_or_falls_back_with_its_message():
     """In float64: in float32, fused kernels sum in another order, and Adam turns that rounding into visible steps
     wherever a gradient is mathematically near zero (1e-4 relative seen on an H100), which says nothing of the math."""
@@ -163,10 +192,23 @@ def test_static_batch_refuses_a_batch_of_another_shape():
 
 def test_trainer_runs_the_step_through_the_runner(small_text, tmp_path):
     """Graph flags on a CPU machine: one warning, and the same run as without them."""
+
     def train(**flags) -> tuple[Trainer, list[str]]:
         logs: list[str] = []
-        cfg = tiny_config(data=str(small_text), dtype="float32", batch_size=8, max_windows=3, free_steps=5, nudge_steps=3,
-                          beta_nudge=0.05, eval_batches=1, log_every_windows=3, checkpoint_dir=str(tmp_path), device="cpu", **flags)
+        cfg = tiny_config(
+            data=str(small_text),
+            dtype="float32",
+            batch_size=8,
+            max_windows=3,
+            free_steps=5,
+            nudge_steps=3,
+            beta_nudge=0.05,
+            eval_batches=1,
+            log_every_windows=3,
+            checkpoint_dir=str(tmp_path),
+            device="cpu",
+            **flags,
+        )
         t = Trainer(cfg, log=logs.append)
         t.train()
         return t, [line for line in logs if "warning" in line]
@@ -180,10 +222,29 @@ def test_trainer_runs_the_step_through_the_runner(small_text, tmp_path):
 
 
 def test_bench_times_every_mode_in_one_run(small_text):
-    from trainer2.bench import run as bench
+    from trainer2.running.bench import run as bench
 
-    rows, table = bench(["--data", str(small_text), "--hidden_sizes", "8", "--free_steps", "3", "--nudge_steps", "2",
-                         "--device", "cpu", "--modes", "eager", "graph", "--batch_sizes", "4", "--windows", "2"])
+    rows, table = bench(
+        [
+            "--data",
+            str(small_text),
+            "--hidden_sizes",
+            "8",
+            "--free_steps",
+            "3",
+            "--nudge_steps",
+            "2",
+            "--device",
+            "cpu",
+            "--modes",
+            "eager",
+            "graph",
+            "--batch_sizes",
+            "4",
+            "--windows",
+            "2",
+        ]
+    )
     eager, graph = rows
     assert (eager.batch, eager.mode) == (4, "eager") and eager.windows_per_s > 0
     assert eager.kernels_per_step > 10  # forces, leapfrog and observables are a dozen ops or more per step, eagerly

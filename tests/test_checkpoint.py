@@ -10,14 +10,27 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer2 import checkpoint as ck
 from trainer2.cli import main
 from trainer2.config import TrainConfig
-from trainer2.trainer import Trainer
+from trainer2.running import checkpoint as ck
+from trainer2.running.trainer import Trainer
 
-TINY = dict(hidden_sizes=[8], coord_dim_n=4, rotor_k=3, context_len=3, embed_dim=3, batch_size=8,
-            free_steps=4, nudge_steps=2, log_every_windows=10, eval_every_windows=10, eval_batches=2,
-            memory_capacity=16, lr_warmup_windows=5, max_windows=40)
+TINY = dict(
+    hidden_sizes=[8],
+    coord_dim_n=4,
+    rotor_k=3,
+    context_len=3,
+    embed_dim=3,
+    batch_size=8,
+    free_steps=4,
+    nudge_steps=2,
+    log_every_windows=10,
+    eval_every_windows=10,
+    eval_batches=2,
+    memory_capacity=16,
+    lr_warmup_windows=5,
+    max_windows=40,
+)
 
 
 def config(tmp_path: Path, data: Path, **kw) -> TrainConfig:
@@ -58,8 +71,9 @@ def assert_same_checkpoint(a: Path, b: Path) -> None:
     assert not different, f"tensors differ: {different}"
     ma, mb = ck.read_meta(a), ck.read_meta(b)
     assert strip_wall(ma["history"]) == strip_wall(mb["history"])
-    assert {k: v for k, v in ma["counters"].items() if k != "wall_seconds"} == \
-        {k: v for k, v in mb["counters"].items() if k != "wall_seconds"}
+    assert {k: v for k, v in ma["counters"].items() if k != "wall_seconds"} == {
+        k: v for k, v in mb["counters"].items() if k != "wall_seconds"
+    }
 
 
 @pytest.fixture
@@ -75,7 +89,12 @@ def saved(tmp_path, small_text) -> Path:
 def test_interrupted_run_resumes_bitwise_identical(tmp_path, small_text, capsys):
     assert main(flags(tmp_path, small_text, run_name="whole", max_windows=40)) == 0
     assert main(flags(tmp_path, small_text, run_name="cut", max_windows=20)) == 0
-    assert main(["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "cut", "--max_windows", "40"]) == 0
+    assert (
+        main(
+            ["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "cut", "--max_windows", "40"]
+        )
+        == 0
+    )
     assert "resumed from" in capsys.readouterr().out
     whole, cut = run_dir(tmp_path, "whole"), run_dir(tmp_path, "cut")
     assert_same_checkpoint(whole / "step_00000040", cut / "step_00000040")
@@ -93,7 +112,12 @@ def test_resume_mid_epoch_after_several_epochs_is_bitwise_identical(tmp_path):
     assert main(flags(tmp_path, short, run_name="cut", max_windows=20, memory_capacity=0)) == 0
     c = ck.read_meta(run_dir(tmp_path, "cut") / "step_00000020")["counters"]
     assert c["sampler_epoch"] == 1 and 0 < c["sampler_pos"] < 80  # mid-epoch
-    assert main(["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "cut", "--max_windows", "40"]) == 0
+    assert (
+        main(
+            ["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "cut", "--max_windows", "40"]
+        )
+        == 0
+    )
     assert_same_checkpoint(run_dir(tmp_path, "whole") / "step_00000040", run_dir(tmp_path, "cut") / "step_00000040")
 
 
@@ -103,14 +127,24 @@ def test_checkpoint_size_does_not_grow_with_the_corpus(tmp_path, small_text):
     big.write_text(small_text.read_text(encoding="utf-8") * 20, encoding="utf-8")
     for name, data in (("small", small_text), ("big", big)):
         quiet(config(tmp_path, data, run_name=name, max_windows=2)).train()
-    sizes = {name: (run_dir(tmp_path, name) / "step_00000002" / ck.TENSORS_FILE).stat().st_size for name in ("small", "big")}
+    sizes = {
+        name: (run_dir(tmp_path, name) / "step_00000002" / ck.TENSORS_FILE).stat().st_size for name in ("small", "big")
+    }
     assert sizes["small"] == sizes["big"], sizes
 
 
 def test_resume_from_periodic_checkpoint_in_place_with_cosine_schedule(tmp_path, small_text):
     # log_every 15: the saved metric accumulators are mid-interval, so they must be restored too.
-    cfg = config(tmp_path, small_text, run_name="a", lr_schedule="cosine", save_every_windows=20, keep_last=5,
-                 log_every_windows=15, eval_every_windows=0)
+    cfg = config(
+        tmp_path,
+        small_text,
+        run_name="a",
+        lr_schedule="cosine",
+        save_every_windows=20,
+        keep_last=5,
+        log_every_windows=15,
+        eval_every_windows=0,
+    )
     a = quiet(cfg)
     a.train()
     assert [p.name for p in ck.list_checkpoints(run_dir(tmp_path, "a"))] == ["step_00000020", "step_00000040"]
@@ -138,7 +172,10 @@ def test_killed_save_is_never_picked_up(tmp_path, small_text, saved, capsys):
     stale.mkdir()
     (stale / ck.TENSORS_FILE).write_bytes((saved / ck.TENSORS_FILE).read_bytes()[:100])
     assert ck.find_latest(rd) == saved
-    assert main(["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "r", "--max_windows", "12"]) == 0
+    assert (
+        main(["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "r", "--max_windows", "12"])
+        == 0
+    )
     assert f"resumed from {saved} at window 10" in capsys.readouterr().out
     assert ck.find_latest(rd).name == "step_00000012"
 
@@ -190,16 +227,23 @@ def other_version(d: Path) -> None:
     (d / ck.META_FILE).write_text(json.dumps({**meta, "format_version": 99}))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (truncate, "tensors.safetensors: {n} bytes, the sidecar records"),
-    (flip_byte, "tensors.safetensors: sha256 differs"),
-    (lambda d: (d / ck.META_FILE).unlink(), "missing meta.json"),
-    (lambda d: (d / ck.TENSORS_FILE).unlink(), "missing tensors.safetensors"),
-    (lambda d: (d / ck.META_FILE).write_text("{\"format_version\": 1,"), "meta.json: not valid JSON"),
-    (other_version, f"meta.json: checkpoint format version 99; this trainer reads version {ck.FORMAT_VERSION}"),
-    (lambda d: (d / ck.META_FILE).write_text(json.dumps({**json.loads((d / ck.META_FILE).read_text()), "history": None})),
-     "meta.json: 'history' must be a JSON list, got NoneType"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (truncate, "tensors.safetensors: {n} bytes, the sidecar records"),
+        (flip_byte, "tensors.safetensors: sha256 differs"),
+        (lambda d: (d / ck.META_FILE).unlink(), "missing meta.json"),
+        (lambda d: (d / ck.TENSORS_FILE).unlink(), "missing tensors.safetensors"),
+        (lambda d: (d / ck.META_FILE).write_text('{"format_version": 1,'), "meta.json: not valid JSON"),
+        (other_version, f"meta.json: checkpoint format version 99; this trainer reads version {ck.FORMAT_VERSION}"),
+        (
+            lambda d: (d / ck.META_FILE).write_text(
+                json.dumps({**json.loads((d / ck.META_FILE).read_text()), "history": None})
+            ),
+            "meta.json: 'history' must be a JSON list, got NoneType",
+        ),
+    ],
+)
 def test_broken_checkpoint_is_refused_and_nothing_is_harmed(tmp_path, small_text, saved, capsys, damage, message):
     damage(saved)
     before = snapshot(tmp_path / "ck")
@@ -227,7 +271,12 @@ def test_mismatched_model_field_is_refused_naming_both_values(tmp_path, saved, c
     assert "layers: checkpoint has [{'dense': 8}], requested [{'dense': 16}]" in err
     assert "context_len: checkpoint has 3, requested 4" in err
     # Run-steering fields may change.
-    assert main([*base, "--max_windows", "11", "--log_every_windows", "1", "--eval_every_windows", "0", "--keep_last", "1"]) == 0
+    assert (
+        main(
+            [*base, "--max_windows", "11", "--log_every_windows", "1", "--eval_every_windows", "0", "--keep_last", "1"]
+        )
+        == 0
+    )
     assert [p.name for p in ck.list_checkpoints(saved.parent)] == ["step_00000011"]
 
 
@@ -241,10 +290,29 @@ def test_every_field_is_either_fixed_or_free_on_resume():
     fields = set(TrainConfig.model_fields)
     assert ck.RESUME_FREE_FIELDS <= fields
     assert set(ck.fixed_fields()) | ck.RESUME_FREE_FIELDS == fields
-    for f in ("layers", "free_steps", "coord_dim_n", "context_len", "embed_dim", "data", "dtype", "memory_capacity", "seed"):
+    for f in (
+        "layers",
+        "free_steps",
+        "coord_dim_n",
+        "context_len",
+        "embed_dim",
+        "data",
+        "dtype",
+        "memory_capacity",
+        "seed",
+    ):
         assert f in ck.fixed_fields(), f
     # batch_size is per process: the global batch (batch_size x world size) is checked instead (next test).
-    for f in ("max_windows", "max_epochs", "log_every_windows", "eval_every_windows", "device", "use_cudagraphs", "keep_last", "batch_size"):
+    for f in (
+        "max_windows",
+        "max_epochs",
+        "log_every_windows",
+        "eval_every_windows",
+        "device",
+        "use_cudagraphs",
+        "keep_last",
+        "batch_size",
+    ):
         assert f in ck.RESUME_FREE_FIELDS, f
 
 

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from trainer2.cli import main, train_parser
-from trainer2.flags import resolve_config
 from trainer2.config import ConfigError, TrainConfig, build_config, preset_dir, read_yaml
+from trainer2.flags import resolve_config
 
 
 def config_from(argv: list[str]) -> TrainConfig:
@@ -136,7 +136,10 @@ def test_yaml_file_size_is_bounded(tmp_path, capsys):
     big = tmp_path / "big.yaml"
     big.write_text("seed: 1\n" + "#" * (1 << 20) + "\n")
     assert train(["--config", str(big)], tmp_path) == 2
-    assert f"config file {big} is {big.stat().st_size} bytes; a config file may be at most 1048576" in capsys.readouterr().err
+    assert (
+        f"config file {big} is {big.stat().st_size} bytes; a config file may be at most 1048576"
+        in capsys.readouterr().err
+    )
 
 
 def test_deeply_nested_yaml_is_refused(tmp_path, capsys):
@@ -161,12 +164,15 @@ def test_error_messages_cap_the_offending_input():
     assert f"... and {len(numeric) - 10} more" in str(e.value) and len(str(e.value)) < 3000
 
 
-@pytest.mark.parametrize("line, field", [
-    ("max_windows: true", "max_windows"),  # was taken as 1 window
-    ("batch_size: false", "batch_size"),
-    ("eta_update: true", "eta_update"),
-    ("static_shapes: 1", "static_shapes"),  # and no int-as-bool either
-])
+@pytest.mark.parametrize(
+    "line, field",
+    [
+        ("max_windows: true", "max_windows"),  # was taken as 1 window
+        ("batch_size: false", "batch_size"),
+        ("eta_update: true", "eta_update"),
+        ("static_shapes: 1", "static_shapes"),  # and no int-as-bool either
+    ],
+)
 def test_yaml_bool_is_not_a_number(tmp_path, capsys, line, field):
     path = tmp_path / "c.yaml"
     path.write_text(line + "\n")
@@ -184,8 +190,15 @@ def test_yaml_numbers_still_read_as_expected(tmp_path):
     assert isinstance(cfg.dt, float) and isinstance(cfg.max_epochs, float)
 
 
-@pytest.mark.parametrize("argv", [["--max_w", "3"], ["evaluate", "--checkpoint", "x", "--eval_b", "3"],
-                                  ["sample", "--checkpoint", "x", "--temp", "0.5"], ["plot", "x", "--ou", "y"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max_w", "3"],
+        ["evaluate", "--checkpoint", "x", "--eval_b", "3"],
+        ["sample", "--checkpoint", "x", "--temp", "0.5"],
+        ["plot", "x", "--ou", "y"],
+    ],
+)
 def test_abbreviated_flags_are_refused(argv, capsys):
     # `--max_w 3` used to mean --max_windows 3: a typo or an ambiguous prefix must not pick a flag.
     with pytest.raises(SystemExit) as e:
@@ -196,13 +209,16 @@ def test_abbreviated_flags_are_refused(argv, capsys):
 # --- numerical values: finite, and not absurd ---
 
 
-@pytest.mark.parametrize("argv, field", [
-    (["--eta_update", "inf"], "eta_update"),
-    (["--dt", "inf"], "dt"),
-    (["--dt", "nan"], "dt"),
-    (["--beta_nudge", "nan"], "beta_nudge"),
-    (["--max_epochs", "inf"], "max_epochs"),
-])
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--eta_update", "inf"], "eta_update"),
+        (["--dt", "inf"], "dt"),
+        (["--dt", "nan"], "dt"),
+        (["--beta_nudge", "nan"], "beta_nudge"),
+        (["--max_epochs", "inf"], "max_epochs"),
+    ],
+)
 def test_non_finite_values_are_refused(argv, field, capsys, tmp_path):
     assert train(argv, tmp_path) == 2
     assert f"{field} (from command line): Input should be a finite number" in capsys.readouterr().err
@@ -215,29 +231,37 @@ def test_yaml_inf_is_refused(tmp_path, capsys):
     assert f"eta_update (from config {path}): Input should be a finite number" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--dt", "5", "--gamma", "0"], "dt^2/mass + 2*gamma*dt = 25 must be below 4"),  # never settled, said nothing
-    (["--dt", "1", "--gamma", "1.6"], "= 4.2 must be below 4"),
-    (["--dt", "1", "--mass", "0.2"], "= 7 must be below 4"),
-    (["--eta_update", "1e3"], "energy learning rate eta_update = 1000 must be at most 1"),  # exited 0 with bpc inf
-    (["--eta_update", "1e300"], "must be at most 1"),  # crashed
-    (["--eta_embed_scale", "1e3"], "embed learning rate eta_update * eta_embed_scale = 3 must be at most 1"),
-    (["--seed", str(2**64)], "seed"),  # overflowed torch.manual_seed
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--dt", "5", "--gamma", "0"], "dt^2/mass + 2*gamma*dt = 25 must be below 4"),  # never settled, said nothing
+        (["--dt", "1", "--gamma", "1.6"], "= 4.2 must be below 4"),
+        (["--dt", "1", "--mass", "0.2"], "= 7 must be below 4"),
+        (["--eta_update", "1e3"], "energy learning rate eta_update = 1000 must be at most 1"),  # exited 0 with bpc inf
+        (["--eta_update", "1e300"], "must be at most 1"),  # crashed
+        (["--eta_embed_scale", "1e3"], "embed learning rate eta_update * eta_embed_scale = 3 must be at most 1"),
+        (["--seed", str(2**64)], "seed"),  # overflowed torch.manual_seed
+    ],
+)
 def test_absurd_values_are_refused_saying_the_sane_range(argv, needle, capsys, tmp_path):
     assert train(argv, tmp_path) == 2
     assert needle in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("values", [
-    {"dt": 1.9, "gamma": 0.0},  # undamped leapfrog up to dt 2
-    {"dt": 1.0, "gamma": 1.4},
-    {"dt": 2.5, "gamma": 0.0, "mass": 2.0},
-    {"eta_update": 1.0},
-    {"seed": -(2**63)}, {"seed": 2**64 - 1},
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"dt": 1.9, "gamma": 0.0},  # undamped leapfrog up to dt 2
+        {"dt": 1.0, "gamma": 1.4},
+        {"dt": 2.5, "gamma": 0.0, "mass": 2.0},
+        {"eta_update": 1.0},
+        {"seed": -(2**63)},
+        {"seed": 2**64 - 1},
+    ],
+)
 def test_sane_values_near_the_limits_are_accepted(values):
     build_config([("test", values)])
+
 
 # --- --print_config ---
 
@@ -258,11 +282,23 @@ def test_print_config_shows_every_layer_and_reads_no_data(tmp_path, capsys):
     over = tmp_path / "c.yaml"
     over.write_text(yaml.safe_dump({"batch_size": 16, "seed": 5, "hidden_sizes": [32, 16]}))
     ck_dir = tmp_path / "ck"
-    argv = ["--preset", "dev", "--config", str(over), "--seed", "7", "--data", str(tmp_path / "no_such_file.txt"),
-            "--checkpoint_dir", str(ck_dir)]
+    argv = [
+        "--preset",
+        "dev",
+        "--config",
+        str(over),
+        "--seed",
+        "7",
+        "--data",
+        str(tmp_path / "no_such_file.txt"),
+        "--checkpoint_dir",
+        str(ck_dir),
+    ]
     out, comments = printed(capsys, argv)
     # valid YAML that rebuilds exactly the config a run would use
-    assert build_config([("printed", yaml.safe_load(out))]) == config_from(argv).model_copy(update={"run_name": "dev-1"})
+    assert build_config([("printed", yaml.safe_load(out))]) == config_from(argv).model_copy(
+        update={"run_name": "dev-1"}
+    )
     assert list(comments) == list(TrainConfig.model_fields)
     dev = str(preset_dir() / "dev.yaml")
     assert comments["free_steps"] == comments["lr_schedule"] == f"preset {dev}"
@@ -281,13 +317,40 @@ def test_print_config_refuses_a_bad_config_with_exit_code_2(capsys):
 
 def test_print_config_with_resume_shows_the_checkpoint_layer(tmp_path, small_text, capsys):
     ck_dir = tmp_path / "ck"
-    base = ["--data", str(small_text), "--checkpoint_dir", str(ck_dir), "--run_name", "r", "--hidden_sizes", "8",
-            "--coord_dim_n", "4", "--rotor_k", "3", "--context_len", "3", "--embed_dim", "3", "--batch_size", "8",
-            "--free_steps", "3", "--nudge_steps", "2", "--max_windows", "2", "--eval_batches", "1"]
+    base = [
+        "--data",
+        str(small_text),
+        "--checkpoint_dir",
+        str(ck_dir),
+        "--run_name",
+        "r",
+        "--hidden_sizes",
+        "8",
+        "--coord_dim_n",
+        "4",
+        "--rotor_k",
+        "3",
+        "--context_len",
+        "3",
+        "--embed_dim",
+        "3",
+        "--batch_size",
+        "8",
+        "--free_steps",
+        "3",
+        "--nudge_steps",
+        "2",
+        "--max_windows",
+        "2",
+        "--eval_batches",
+        "1",
+    ]
     assert main(base) == 0
     capsys.readouterr()
     files = sorted(p for p in ck_dir.rglob("*"))
-    out, comments = printed(capsys, ["--resume", "latest", "--checkpoint_dir", str(ck_dir), "--run_name", "r", "--max_windows", "5"])
+    out, comments = printed(
+        capsys, ["--resume", "latest", "--checkpoint_dir", str(ck_dir), "--run_name", "r", "--max_windows", "5"]
+    )
     step = ck_dir / "r" / "step_00000002"
     assert comments["layers"] == comments["batch_size"] == f"checkpoint {step}"
     assert comments["max_windows"] == comments["run_name"] == "command line"
@@ -298,7 +361,7 @@ def test_print_config_with_resume_shows_the_checkpoint_layer(tmp_path, small_tex
 def test_cpu_threads_are_set_where_the_device_is_resolved():
     import torch
 
-    from trainer2.parts import resolve_device
+    from trainer2.running.parts import resolve_device
 
     before = torch.get_num_threads()
     try:
@@ -322,17 +385,24 @@ def test_layers_describe_the_architecture_and_hidden_sizes_is_their_shorthand(tm
     assert config_from(["--hidden_sizes", "32", "16"]).layers == from_yaml.layers
     assert TrainConfig(hidden_sizes=[32, 16]).layers == from_yaml.layers  # a checkpoint's saved config, too
     # a higher layer's shorthand overrides a lower layer's list, and the other way round
-    assert build_config([("preset", {"layers": [{"dense": 8}]}), ("flags", {"hidden_sizes": [4]})]).layers == [{"dense": 4}]
-    assert build_config([("preset", {"hidden_sizes": [4]}), ("flags", {"layers": [{"dense": 8}]})]).layers == [{"dense": 8}]
+    assert build_config([("preset", {"layers": [{"dense": 8}]}), ("flags", {"hidden_sizes": [4]})]).layers == [
+        {"dense": 4}
+    ]
+    assert build_config([("preset", {"hidden_sizes": [4]}), ("flags", {"layers": [{"dense": 8}]})]).layers == [
+        {"dense": 8}
+    ]
 
 
-@pytest.mark.parametrize("layers, words", [
-    ([{"pool": 3}], "kind in ['conv', 'dense']"),
-    ([{"conv": 3}], "layer 0 (conv): a conv layer's spec must be a mapping"),
-    ([{"dense": 0}], "integer >= 1"),
-    ([{"dense": 8, "other": 2}], "one {kind: spec} entry"),
-    ([], "at least 1"),
-])
+@pytest.mark.parametrize(
+    "layers, words",
+    [
+        ([{"pool": 3}], "kind in ['conv', 'dense']"),
+        ([{"conv": 3}], "layer 0 (conv): a conv layer's spec must be a mapping"),
+        ([{"dense": 0}], "integer >= 1"),
+        ([{"dense": 8, "other": 2}], "one {kind: spec} entry"),
+        ([], "at least 1"),
+    ],
+)
 def test_a_bad_layer_is_refused_naming_it(layers, words):
     with pytest.raises(ConfigError) as e:
         build_config([("test", {"layers": layers})])
@@ -362,4 +432,7 @@ def test_the_command_line_shows_the_rename_as_one_note(capsys):
     assert main(["--tbptt_window_steps", "9", "--print_config"]) == 0
     captured = capsys.readouterr()
     assert "free_steps: 9  # command line" in captured.out
-    assert captured.err == "trainer2: note: tbptt_window_steps is now called free_steps (command line); the old name still works\n"
+    assert (
+        captured.err
+        == "trainer2: note: tbptt_window_steps is now called free_steps (command line); the old name still works\n"
+    )

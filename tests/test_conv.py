@@ -6,19 +6,23 @@ import math
 
 import pytest
 import torch
+from tiny import tiny_config
 
 from benchmarks.autograd_reference import cosine, exact_grads_energy
-from tiny import tiny_config
 from trainer2.config import ConfigError, TrainConfig
-from trainer2.couplings import Conv
-from trainer2.gradients import ep_gradients
-from trainer2.machine import build_machine
-from trainer2.relaxation import Relaxation
+from trainer2.learning.gradients import ep_gradients
+from trainer2.physics.couplings import Conv
+from trainer2.physics.machine import build_machine
+from trainer2.physics.relaxation import Relaxation
 
 F64 = torch.float64
 # (below shape, spec): pooling that divides the image, that drops a row and column (9 by 2), stride-1 (pool 1), pool 3
-CASES = [((2, 8, 8), {"channels": 3, "kernel": 3, "pool": 2}), ((1, 9, 9), {"channels": 2, "kernel": 5, "pool": 2}),
-         ((3, 5, 5), {"channels": 2, "kernel": 3}), ((2, 9, 7), {"channels": 2, "kernel": 3, "pool": 3})]
+CASES = [
+    ((2, 8, 8), {"channels": 3, "kernel": 3, "pool": 2}),
+    ((1, 9, 9), {"channels": 2, "kernel": 5, "pool": 2}),
+    ((3, 5, 5), {"channels": 2, "kernel": 3}),
+    ((2, 9, 7), {"channels": 2, "kernel": 3, "pool": 3}),
+]
 IDS = ["pool2", "pool2_odd", "pool1", "pool3"]
 
 
@@ -93,11 +97,18 @@ def test_spectral_cap_bounds_the_operator_norm_of_the_explicit_matrix(below, spe
     assert torch.linalg.matrix_norm(matrix(c), ord=2) < 0.5 * (1 + 1e-3)
 
 
-@pytest.mark.parametrize("spec,error", [
-    (16, "must be a mapping"), ({"kernel": 3}, "needs `channels`"), ({"channels": 4, "kernel": 4}, "must be odd"),
-    ({"channels": 4, "stride": 2}, "unknown conv key"), ({"channels": 0}, "channels must be an integer >= 1"),
-    ({"channels": 2, "pool": True}, "pool must be an integer"),
-], ids=["int", "no_channels", "even_kernel", "unknown_key", "zero_channels", "bool_pool"])
+@pytest.mark.parametrize(
+    "spec,error",
+    [
+        (16, "must be a mapping"),
+        ({"kernel": 3}, "needs `channels`"),
+        ({"channels": 4, "kernel": 4}, "must be odd"),
+        ({"channels": 4, "stride": 2}, "unknown conv key"),
+        ({"channels": 0}, "channels must be an integer >= 1"),
+        ({"channels": 2, "pool": True}, "pool must be an integer"),
+    ],
+    ids=["int", "no_channels", "even_kernel", "unknown_key", "zero_channels", "bool_pool"],
+)
 def test_config_refuses_a_malformed_conv_entry(spec, error):
     with pytest.raises(ValueError, match=error):
         TrainConfig(layers=[{"conv": spec}])
@@ -122,10 +133,14 @@ def conv_machine(layers, image=(2, 6, 6), **overrides):
     return cfg, m, x, torch.randint(0, 5, (cfg.batch_size,), generator=gen)
 
 
-@pytest.mark.parametrize("layers", [
-    [{"conv": {"channels": 3, "kernel": 3, "pool": 2}}],
-    [{"conv": {"channels": 3, "kernel": 3, "pool": 2}}, {"conv": {"channels": 2, "kernel": 3}}, {"dense": 6}],
-], ids=["conv", "conv_conv_dense"])
+@pytest.mark.parametrize(
+    "layers",
+    [
+        [{"conv": {"channels": 3, "kernel": 3, "pool": 2}}],
+        [{"conv": {"channels": 3, "kernel": 3, "pool": 2}}, {"conv": {"channels": 2, "kernel": 3}}, {"dense": 6}],
+    ],
+    ids=["conv", "conv_conv_dense"],
+)
 def test_symmetric_ep_matches_autograd_for_a_conv_machine(layers):
     cfg, m, x, y = conv_machine(layers, beta_nudge=1e-2, free_steps=60, nudge_steps=60)
     with torch.no_grad():

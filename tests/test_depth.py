@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.tiny import tiny_config
-from trainer2.energy import energy
-from trainer2.machine import Machine, build_machine, coupling_cap, project_constraints
+from trainer2.physics.energy import energy
+from trainer2.physics.machine import Machine, build_machine, coupling_cap, project_constraints
 
 
 def coupling_weights(m: Machine) -> list[torch.Tensor]:
@@ -41,7 +41,7 @@ def deep(hidden: list[int], cap: float = 0.7, coord: int = 6) -> tuple:
 
 
 def test_explicit_hessian_is_the_energy_hessian():
-    """The matrix the other tests read eigenvalues from is autograd's Hessian of trainer2.energy.energy."""
+    """The matrix the other tests read eigenvalues from is autograd's Hessian of trainer2.physics.energy.energy."""
     cfg, m = deep([5, 4, 3])
     sizes = m.state_sizes()
     x = torch.randn(1, m.energy.weights[0].shape[1], dtype=torch.float64)
@@ -56,8 +56,12 @@ def test_explicit_hessian_is_the_energy_hessian():
 def test_cap_matches_path_norm():
     """rho / (2 cos(pi / (M + 2))): exactly rho for one hidden layer (every preset is unchanged), rho/sqrt(2) for two."""
     assert coupling_cap(tiny_config(hidden_sizes=[12], spectral_cap=0.7)) == 0.7
-    assert coupling_cap(tiny_config(hidden_sizes=[12, 12], spectral_cap=0.7)) == pytest.approx(0.7 / math.sqrt(2), rel=1e-14)
-    assert coupling_cap(tiny_config(hidden_sizes=[12] * 4, spectral_cap=0.7)) == pytest.approx(0.7 / math.sqrt(3), rel=1e-14)
+    assert coupling_cap(tiny_config(hidden_sizes=[12, 12], spectral_cap=0.7)) == pytest.approx(
+        0.7 / math.sqrt(2), rel=1e-14
+    )
+    assert coupling_cap(tiny_config(hidden_sizes=[12] * 4, spectral_cap=0.7)) == pytest.approx(
+        0.7 / math.sqrt(3), rel=1e-14
+    )
 
 
 def aligned(hidden: list[int], c: float) -> Machine:
@@ -83,7 +87,9 @@ def test_aligned_machine_after_projection_has_curvature_one_minus_cap(depth):
     """The bound is tight: the aligned worst case, projected, sits exactly at 1 - spectral_cap."""
     cfg, _ = deep([6] * depth, coord=6)
     m = aligned([6] * depth, 2.0)
-    vecs = [torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=torch.float64), dim=0) for w in coupling_weights(m)]
+    vecs = [
+        torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=torch.float64), dim=0) for w in coupling_weights(m)
+    ]
     project_constraints(m, cfg, vecs)  # rank one: two power steps find sigma exactly
     assert smallest_curvature(m) == pytest.approx(1 - cfg.spectral_cap, abs=1e-9)
 
@@ -100,7 +106,9 @@ def test_random_deep_machine_stays_convex_after_projection(hidden):
         top[0, 0] = 1.0
         w.copy_(5.0 * top + torch.randn(w.shape, generator=gen, dtype=torch.float64) / math.sqrt(w.shape[1]))
     assert smallest_curvature(m) < -1
-    vecs = [torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=torch.float64), dim=0) for w in coupling_weights(m)]
+    vecs = [
+        torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=torch.float64), dim=0) for w in coupling_weights(m)
+    ]
     for _ in range(30):  # two power steps per call, as after every update
         project_constraints(m, cfg, vecs)
     norms = [float(torch.linalg.matrix_norm(w, ord=2)) for w in coupling_weights(m)]

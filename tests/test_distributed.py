@@ -24,16 +24,28 @@ from safetensors.torch import load_file
 
 from trainer2.cli import main
 from trainer2.config import ConfigError, TrainConfig
-from trainer2.distributed import Distributed, DistributedError, GradReducer, init_distributed, rank_label
-from trainer2.params import ParamTable
+from trainer2.learning.params import ParamTable
+from trainer2.running.distributed import Distributed, DistributedError, GradReducer, init_distributed, rank_label
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOWS = 20
 # Tiny and fast: most of each run is starting Python and torch. Heavy-ball momentum, not Adam: Adam's first
 # steps are sign-like, so it turns the rounding noise of a near-zero gradient (the rotor angles start at 0)
 # into steps of size lr, and per-tensor comparisons of two equally valid runs would measure that noise.
-TINY = dict(hidden_sizes=[16], coord_dim_n=4, rotor_k=3, context_len=3, embed_dim=3, free_steps=4, nudge_steps=2,
-            update_rule="momentum", max_windows=WINDOWS, log_every_windows=5, eval_every_windows=0, device="cpu")
+TINY = dict(
+    hidden_sizes=[16],
+    coord_dim_n=4,
+    rotor_k=3,
+    context_len=3,
+    embed_dim=3,
+    free_steps=4,
+    nudge_steps=2,
+    update_rule="momentum",
+    max_windows=WINDOWS,
+    log_every_windows=5,
+    eval_every_windows=0,
+    device="cpu",
+)
 TOL = {"float32": 1e-5, "float64": 1e-10}
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds a rank's process through /proc")
 
@@ -51,7 +63,16 @@ def env(**extra: str) -> dict[str, str]:
 
 def launch(nproc: int, args: list[str], **popen) -> subprocess.Popen:
     """`torchrun --nproc_per_node N --standalone main.py ARGS` (--standalone: a free port of its own)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone", "main.py", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--standalone",
+        "main.py",
+        *args,
+    ]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
@@ -63,13 +84,17 @@ def torchrun(nproc: int, args: list[str]) -> str:
 
 
 def single(args: list[str]) -> str:
-    proc = subprocess.run([sys.executable, "main.py", *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "main.py", *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 
 
 def params(step_dir: Path) -> dict[str, torch.Tensor]:
-    return {k: v.double() for k, v in load_file(str(step_dir / "tensors.safetensors")).items() if k.startswith("param.")}
+    return {
+        k: v.double() for k, v in load_file(str(step_dir / "tensors.safetensors")).items() if k.startswith("param.")
+    }
 
 
 def assert_close_params(a: Path, b: Path, tol: float) -> None:
@@ -124,7 +149,18 @@ def test_saved_on_two_processes_resumes_on_one(pair, capsys):
     assert "global batch of 64 (batch_size 32 x 2 process(es)); this run's is 32 (batch_size 32 x 1)" in err
     assert "pass --batch_size 64" in err and not (ck / "bad").exists()
     # ... and then the run continues as the 2-process run did.
-    single(["--resume", str(two / "step_00000010"), "--run_name", "resumed", "--batch_size", "64", "--checkpoint_dir", str(ck)])
+    single(
+        [
+            "--resume",
+            str(two / "step_00000010"),
+            "--run_name",
+            "resumed",
+            "--batch_size",
+            "64",
+            "--checkpoint_dir",
+            str(ck),
+        ]
+    )
     assert_close_params(ck / "resumed" / "step_00000020", two / "step_00000020", TOL[dtype])
     assert summary(ck / "resumed")["heldout_loss"] == pytest.approx(summary(two)["heldout_loss"], rel=TOL[dtype])
 
@@ -151,7 +187,13 @@ def kill(pid: int) -> None:
 def start_long_run(tmp_path: Path, small_text: Path, timeout_s: float) -> tuple[subprocess.Popen, str, Path]:
     """A 2-process run that would go on for hours, once its rank 0 has logged twice."""
     marker = f"TRAINER2_TEST_JOB={uuid.uuid4().hex}"
-    common = {**TINY, "data": small_text, "checkpoint_dir": tmp_path, "max_windows": 10**7, "dist_timeout_seconds": timeout_s}
+    common = {
+        **TINY,
+        "data": small_text,
+        "checkpoint_dir": tmp_path,
+        "max_windows": 10**7,
+        "dist_timeout_seconds": timeout_s,
+    }
     proc = launch(2, argv(**common, batch_size=8, run_name="long"), env=env(**dict([marker.split("=")])))
     telemetry, deadline = tmp_path / "long" / "telemetry.jsonl", time.monotonic() + 120
     while not (telemetry.exists() and telemetry.read_text().count("\n") >= 2):
@@ -211,7 +253,11 @@ def test_environment_is_read_and_checked():
     assert not Distributed().launched and Distributed().is_main
     d = Distributed.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, 30.0)
     assert (d.rank, d.world_size, d.local_rank, d.launched, d.is_main) == (1, 2, 1, True, False)
-    for bad in ({"RANK": "0"}, {"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}):
+    for bad in (
+        {"RANK": "0"},
+        {"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+        {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+    ):
         with pytest.raises(ConfigError, match="environment"):
             Distributed.from_env(bad)
     assert rank_label({"RANK": "3"}) == " (rank 3)" and rank_label({}) == ""
@@ -226,7 +272,7 @@ def test_environment_is_read_and_checked():
 
 
 def test_the_memory_bank_is_refused_on_several_processes():
-    from trainer2.trainer import Trainer
+    from trainer2.running.trainer import Trainer
 
     with pytest.raises(ConfigError, match="memory_capacity"):
         Trainer(TrainConfig(memory_capacity=64, batch_size=8), log=lambda m: None, dist=Distributed(1, 2, 1, True, 5.0))
@@ -238,7 +284,8 @@ def _worker(rank: int, world: int, init: str, results: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     d = Distributed(rank, world, rank, True, 30.0)
     from tiny import tiny_config, tiny_machine
-    from trainer2.update import Updater, flat_update
+
+    from trainer2.learning.update import Updater, flat_update
 
     cfg = tiny_config()
     m = tiny_machine(cfg)
@@ -268,8 +315,11 @@ def _worker(rank: int, world: int, init: str, results: str) -> None:
     except DistributedError as e:
         mismatch = str(e)
     torch.distributed.destroy_process_group()
-    Path(results, f"{rank}.json").write_text(json.dumps(dict(mean_ok=mean_ok, views_are_flat=views_are_flat, dropped=dropped,
-                                                             sums_ok=sums_ok, mismatch=mismatch)))
+    Path(results, f"{rank}.json").write_text(
+        json.dumps(
+            dict(mean_ok=mean_ok, views_are_flat=views_are_flat, dropped=dropped, sums_ok=sums_ok, mismatch=mismatch)
+        )
+    )
 
 
 def test_one_all_reduce_averages_drops_together_and_checksums_catch_divergence(tmp_path):
@@ -299,7 +349,9 @@ def test_sigterm_stops_every_rank_at_the_same_window_and_rank_0_saves(tmp_path, 
     assert stopped % TINY["log_every_windows"] == 0  # the ranks met there and agreed to stop
     assert summary(run)["interrupted"] == "SIGTERM" and summary(run)["windows"] == stopped
     assert json.loads(telemetry.read_text().splitlines()[-1])["window"] == stopped
-    assert f"trainer2: stopped by SIGTERM after window {stopped}; resume with: torchrun [the same options] main.py" in out
+    assert (
+        f"trainer2: stopped by SIGTERM after window {stopped}; resume with: torchrun [the same options] main.py" in out
+    )
     assert str(ROOT / "trainer2") not in out, out[-3000:]  # no worker traceback (torchrun prints its own report)
     assert len(load_file(str(run / saved[0] / "tensors.safetensors"))) > 0
 

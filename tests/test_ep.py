@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
+from tiny import tiny_batch, tiny_config, tiny_machine
 
 from benchmarks.autograd_reference import cosine, exact_grads
-from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.config import TrainConfig
-from trainer2.gradients import embedding_grad, ep_gradients
-from trainer2.relaxation import Relaxation
+from trainer2.learning.gradients import embedding_grad, ep_gradients
+from trainer2.physics.relaxation import Relaxation
 
 
 def ep_and_exact(**overrides):
@@ -29,7 +29,9 @@ def test_symmetric_ep_matches_autograd_for_every_parameter_group():
 
 
 def test_symmetric_ep_matches_autograd_with_the_default_sharp_readout():
-    defaults = {k: TrainConfig.model_fields[k].default for k in ("r_init", "proto_init_scale", "spectral_cap", "beta_nudge")}
+    defaults = {
+        k: TrainConfig.model_fields[k].default for k in ("r_init", "proto_init_scale", "spectral_cap", "beta_nudge")
+    }
     est, ref = ep_and_exact(**defaults)
     for name, g in est.items():
         assert cosine(g, ref[name]) > 0.999, name

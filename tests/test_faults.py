@@ -19,18 +19,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import SafetensorError
-
 from test_checkpoint import TINY, assert_same_checkpoint, config, flags, quiet, run_dir, saved, strip_wall  # noqa: F401 (saved: a fixture)
-from trainer2 import checkpoint as ck
-from trainer2 import telemetry as telemetry_module
+
 from trainer2.cli import main
 from trainer2.config import preset_dir, read_yaml
-from trainer2.gradients import ep_gradients
-from trainer2.health import Diverged
-from trainer2.interrupt import StopSignals
-from trainer2.rundir import LOCK_FILE, RunLock, fresh_name
-from trainer2.telemetry import TELEMETRY_FILE, read_telemetry
-from trainer2.trainer import HISTORY_ROWS, Trainer
+from trainer2.io import telemetry as telemetry_module
+from trainer2.io.telemetry import TELEMETRY_FILE, read_telemetry
+from trainer2.learning.gradients import ep_gradients
+from trainer2.running import checkpoint as ck
+from trainer2.running.health import Diverged
+from trainer2.running.rundir import LOCK_FILE, RunLock, fresh_name
+from trainer2.running.signals import StopSignals
+from trainer2.running.trainer import HISTORY_ROWS, Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 PATIENCE = 180.0  # seconds to wait for a subprocess on a loaded machine; polling ends as soon as it is there
@@ -40,8 +40,14 @@ def start_run(argv: list[str], out: Path) -> subprocess.Popen:
     """`python main.py ARGV` in a child process, its output in files; SIGINT reset to the default, so Python
     installs its handler even where the test runner's shell ignores SIGINT (a background job)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    return subprocess.Popen([sys.executable, "main.py", *argv], cwd=REPO, env=env, stdout=open(out / "stdout", "w"),
-                            stderr=open(out / "stderr", "w"), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "main.py", *argv],
+        cwd=REPO,
+        env=env,
+        stdout=open(out / "stdout", "w"),
+        stderr=open(out / "stderr", "w"),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def wait_for(what, proc: subprocess.Popen | None = None, timeout: float = PATIENCE):
@@ -86,7 +92,14 @@ def test_a_signal_saves_and_the_run_resumes_bitwise_identical(tmp_path, small_te
     command = shlex.split(lines[0].split("resume with:", 1)[1])
     assert command[:2] == ["python", "main.py"] and command[2:6] == ["--resume", "latest", "--run_name", "cut"]
     assert main([*command[2:], "--max_windows", str(w + 12)]) == 0
-    assert main(flags(tmp_path, small_text, run_name="whole", max_windows=w + 12, log_every_windows=5, eval_every_windows=10)) == 0
+    assert (
+        main(
+            flags(
+                tmp_path, small_text, run_name="whole", max_windows=w + 12, log_every_windows=5, eval_every_windows=10
+            )
+        )
+        == 0
+    )
     name = ck.step_name(w + 12)
     assert_same_checkpoint(run_dir(tmp_path, "whole") / name, rd / name)
     whole_rows, cut_rows = (read_telemetry(run_dir(tmp_path, r) / TELEMETRY_FILE) for r in ("whole", "cut"))
@@ -96,7 +109,7 @@ def test_a_signal_saves_and_the_run_resumes_bitwise_identical(tmp_path, small_te
 def test_a_second_signal_ends_the_process_at_once_without_a_traceback():
     script = (
         "import os, signal, time\n"
-        "from trainer2.interrupt import StopSignals\n"
+        "from trainer2.running.signals import StopSignals\n"
         "with StopSignals() as s:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    while s.received is None: time.sleep(0.01)\n"
@@ -121,7 +134,9 @@ def test_the_first_signal_stops_after_the_current_window_and_handlers_are_restor
             seen.append(signal.getsignal(signal.SIGTERM))
         return ep_gradients(relax, inputs, targets)
 
-    tr = Trainer(config(tmp_path, small_text, run_name="s", max_windows=40), gradients=signalled_at_window_7, log=lambda m: None)
+    tr = Trainer(
+        config(tmp_path, small_text, run_name="s", max_windows=40), gradients=signalled_at_window_7, log=lambda m: None
+    )
     summary = tr.train()
     assert summary["interrupted"] == "SIGTERM" and summary["windows"] == 7 and len(seen) == 8
     assert [p.name for p in ck.list_checkpoints(run_dir(tmp_path, "s"))] == ["step_00000007"]
@@ -150,11 +165,13 @@ def test_handlers_are_left_alone_outside_the_main_thread_and_when_ignored(tmp_pa
         signal.signal(signal.SIGINT, old)
 
 
-def test_ctrl_c_before_training_starts_is_not_a_traceback_and_leaves_no_directory(tmp_path, small_text, capsys, monkeypatch):
+def test_ctrl_c_before_training_starts_is_not_a_traceback_and_leaves_no_directory(
+    tmp_path, small_text, capsys, monkeypatch
+):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("trainer2.parts.load_dataset", interrupted)
+    monkeypatch.setattr("trainer2.running.parts.load_dataset", interrupted)
     assert main(flags(tmp_path, small_text, run_name="early")) == 130
     assert "interrupted" in capsys.readouterr().err
     assert not run_dir(tmp_path, "early").exists()  # the directory the lock created held nothing: removed
@@ -166,14 +183,27 @@ def test_ctrl_c_before_training_starts_is_not_a_traceback_and_leaves_no_director
 def test_a_second_run_on_a_run_directory_is_refused_naming_the_holder_until_it_dies(tmp_path, small_text, capsys):
     out = tmp_path / "out"
     out.mkdir()
-    holder = start_run(flags(tmp_path, small_text, run_name="L", max_windows=10**9, log_every_windows=5, save_every_windows=5,
-                             keep_last=1000, eval_every_windows=0), out)
+    holder = start_run(
+        flags(
+            tmp_path,
+            small_text,
+            run_name="L",
+            max_windows=10**9,
+            log_every_windows=5,
+            save_every_windows=5,
+            keep_last=1000,
+            eval_every_windows=0,
+        ),
+        out,
+    )
     rd = run_dir(tmp_path, "L")
     try:
         wait_for(lambda: ck.list_checkpoints(rd), holder)
         names = f"pid {holder.pid} on host {socket.gethostname()}"
-        for argv in (["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "L", "--max_windows", "10"],
-                     flags(tmp_path, small_text, run_name="L")):
+        for argv in (
+            ["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "L", "--max_windows", "10"],
+            flags(tmp_path, small_text, run_name="L"),
+        ):
             assert main(argv) == 2
             err = capsys.readouterr().err
             assert "is in use by another run" in err and names in err, err
@@ -181,7 +211,21 @@ def test_a_second_run_on_a_run_directory_is_refused_naming_the_holder_until_it_d
         holder.kill()  # SIGKILL: no chance to clean up; the kernel drops its lock
         holder.wait(timeout=PATIENCE)
     newest = ck.step_of(ck.find_latest(rd))
-    assert main(["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "L", "--max_windows", str(newest + 2)]) == 0
+    assert (
+        main(
+            [
+                "--resume",
+                "latest",
+                "--checkpoint_dir",
+                str(tmp_path / "ck"),
+                "--run_name",
+                "L",
+                "--max_windows",
+                str(newest + 2),
+            ]
+        )
+        == 0
+    )
     assert ck.find_latest(rd).name == ck.step_name(newest + 2)
     assert json.loads((rd / LOCK_FILE).read_text())["pid"] == os.getpid()  # the stale holder was replaced
 
@@ -221,7 +265,10 @@ def test_a_fresh_run_never_writes_into_a_directory_holding_another_runs_files(tm
     (rd / left).write_text('{"window": 50}\n')  # what a run killed before its first checkpoint leaves
     assert main(flags(tmp_path, small_text, run_name="old", max_windows=3)) == 2
     assert f"already has files ({left}" in capsys.readouterr().err
-    assert sorted(p.name for p in rd.iterdir()) == sorted([left, LOCK_FILE]) and (rd / left).read_text() == '{"window": 50}\n'
+    assert (
+        sorted(p.name for p in rd.iterdir()) == sorted([left, LOCK_FILE])
+        and (rd / left).read_text() == '{"window": 50}\n'
+    )
 
 
 # --- 5. fresh names; --resume latest takes the newest run ---
@@ -231,7 +278,9 @@ def test_runs_without_a_name_get_fresh_ones_and_resume_latest_takes_the_newest(t
     for preset in ("dev", "production", "deep", "profiling", "conv"):
         assert "run_name" not in read_yaml(preset_dir() / f"{preset}.yaml")
     preset = tmp_path / "tinyp.yaml"
-    preset.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in {**TINY, "data": str(small_text), "max_windows": 3}.items()))
+    preset.write_text(
+        "".join(f"{k}: {json.dumps(v)}\n" for k, v in {**TINY, "data": str(small_text), "max_windows": 3}.items())
+    )
     ckdir = ["--checkpoint_dir", str(tmp_path / "ck")]
     for _ in range(2):
         assert main(["--preset", str(preset), *ckdir]) == 0
@@ -290,12 +339,19 @@ def test_resuming_a_directory_that_is_no_checkpoint_writes_nothing(tmp_path, cap
 # --- 7. a full disk or a read-only directory ---
 
 
-@pytest.mark.parametrize("error", [
-    OSError(errno.ENOSPC, "No space left on device"),
-    SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),  # on a full tmpfs
-    SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'),
-])
-def test_a_full_disk_during_a_save_is_a_clear_error_and_loses_no_checkpoint(tmp_path, small_text, capsys, monkeypatch, error):
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),  # on a full tmpfs
+        SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        ),
+    ],
+)
+def test_a_full_disk_during_a_save_is_a_clear_error_and_loses_no_checkpoint(
+    tmp_path, small_text, capsys, monkeypatch, error
+):
     real, calls = ck.save_file, []
 
     def full_after_one(tensors, filename):
@@ -344,7 +400,15 @@ def test_a_full_disk_during_a_telemetry_write_tears_no_record(tmp_path, small_te
         return FillsUp(f) if mode == "ab" else f
 
     monkeypatch.setattr(telemetry_module, "open", fake_open, raising=False)
-    argv = flags(tmp_path, small_text, run_name="t", max_windows=20, log_every_windows=2, save_every_windows=4, eval_every_windows=0)
+    argv = flags(
+        tmp_path,
+        small_text,
+        run_name="t",
+        max_windows=20,
+        log_every_windows=2,
+        save_every_windows=4,
+        eval_every_windows=0,
+    )
     assert main(argv) == 74
     err = capsys.readouterr().err
     path = run_dir(tmp_path, "t") / TELEMETRY_FILE
@@ -373,7 +437,9 @@ def test_a_read_only_checkpoint_directory_is_a_clear_error(tmp_path, small_text,
 
 
 def test_temporary_directories_of_dead_processes_are_removed_at_start(tmp_path, small_text, saved, capsys):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     rd = saved.parent
     try:
@@ -382,7 +448,21 @@ def test_temporary_directories_of_dead_processes_are_removed_at_start(tmp_path, 
         for d in (*orphans, busy):
             d.mkdir()
             (d / ck.TENSORS_FILE).write_bytes(b"\0" * 100_000)
-        assert main(["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "r", "--max_windows", "11"]) == 0
+        assert (
+            main(
+                [
+                    "--resume",
+                    "latest",
+                    "--checkpoint_dir",
+                    str(tmp_path / "ck"),
+                    "--run_name",
+                    "r",
+                    "--max_windows",
+                    "11",
+                ]
+            )
+            == 0
+        )
         assert "removed 2 temporary checkpoint directories" in capsys.readouterr().out
         assert not any(d.exists() for d in orphans) and busy.exists()
     finally:
@@ -417,33 +497,78 @@ def poisoned_from(window: int, what: str):
     return source
 
 
-@pytest.mark.parametrize("log_every, message", [
-    (5, "the parameters became non-finite between windows 6 and 10; the last checkpoint before it is {rd}/step_00000008"),
-    (50, "the parameters became non-finite between windows 1 and 12; the last checkpoint before it is {rd}/step_00000008"),  # at a save
-])
-def test_non_finite_parameters_stop_the_run_naming_the_windows_and_the_last_good_checkpoint(tmp_path, small_text, log_every, message):
-    cfg = config(tmp_path, small_text, run_name="nan", max_windows=40, save_every_windows=4, keep_last=10,
-                 log_every_windows=log_every, eval_every_windows=0)
+@pytest.mark.parametrize(
+    "log_every, message",
+    [
+        (
+            5,
+            "the parameters became non-finite between windows 6 and 10; the last checkpoint before it is {rd}/step_00000008",
+        ),
+        (
+            50,
+            "the parameters became non-finite between windows 1 and 12; the last checkpoint before it is {rd}/step_00000008",
+        ),  # at a save
+    ],
+)
+def test_non_finite_parameters_stop_the_run_naming_the_windows_and_the_last_good_checkpoint(
+    tmp_path, small_text, log_every, message
+):
+    cfg = config(
+        tmp_path,
+        small_text,
+        run_name="nan",
+        max_windows=40,
+        save_every_windows=4,
+        keep_last=10,
+        log_every_windows=log_every,
+        eval_every_windows=0,
+    )
     tr = Trainer(cfg, gradients=poisoned_from(9, "parameter"), log=lambda m: None)
     rd = run_dir(tmp_path, "nan")
     with pytest.raises(Diverged, match=re.escape(message.format(rd=rd))):
         tr.train()
     assert [p.name for p in ck.list_checkpoints(rd)] == ["step_00000004", "step_00000008"]  # nothing poisoned was saved
     summary = strict_json((rd / "summary.json").read_text())
-    assert summary["diverged"] is True and message.format(rd=rd) in summary["error"] and summary["windows"] == int(re.search(r"and (\d+);", message).group(1))
+    assert (
+        summary["diverged"] is True
+        and message.format(rd=rd) in summary["error"]
+        and summary["windows"] == int(re.search(r"and (\d+);", message).group(1))
+    )
 
 
 def test_updates_dropped_for_50_windows_in_a_row_stop_the_run(tmp_path, small_text):
-    cfg = config(tmp_path, small_text, run_name="drop", max_windows=400, save_every_windows=4, keep_last=100,
-                 log_every_windows=5, eval_every_windows=0)
-    with pytest.raises(Diverged, match=re.escape("every update from window 11 to 60 was dropped (non-finite gradients: "
-                                                 f"learning has stopped); the last checkpoint before it is {run_dir(tmp_path, 'drop')}/step_00000008")):
+    cfg = config(
+        tmp_path,
+        small_text,
+        run_name="drop",
+        max_windows=400,
+        save_every_windows=4,
+        keep_last=100,
+        log_every_windows=5,
+        eval_every_windows=0,
+    )
+    with pytest.raises(
+        Diverged,
+        match=re.escape(
+            "every update from window 11 to 60 was dropped (non-finite gradients: "
+            f"learning has stopped); the last checkpoint before it is {run_dir(tmp_path, 'drop')}/step_00000008"
+        ),
+    ):
         Trainer(cfg, gradients=poisoned_from(9, "gradients"), log=lambda m: None).train()
 
 
 def test_a_diverging_run_exits_3_and_says_so(tmp_path, small_text, capsys):
-    argv = flags(tmp_path, small_text, run_name="wd", max_windows=300, update_rule="momentum", eta_update=1.0,
-                 weight_decay=10.0, log_every_windows=5, eval_every_windows=0)
+    argv = flags(
+        tmp_path,
+        small_text,
+        run_name="wd",
+        max_windows=300,
+        update_rule="momentum",
+        eta_update=1.0,
+        weight_decay=10.0,
+        log_every_windows=5,
+        eval_every_windows=0,
+    )
     assert main(argv) == 3
     err = capsys.readouterr().err
     assert "the run diverged:" in err and "Traceback" not in err
@@ -454,7 +579,10 @@ def test_a_diverging_run_exits_3_and_says_so(tmp_path, small_text, capsys):
 def test_a_free_phase_that_does_not_settle_is_warned_about_once(tmp_path, small_text):
     said = []
     quiet_but = lambda m: said.append(m)  # noqa: E731
-    Trainer(config(tmp_path, small_text, run_name="osc", dt=1.9, gamma=0.0, max_windows=20, log_every_windows=2), log=quiet_but).train()
+    Trainer(
+        config(tmp_path, small_text, run_name="osc", dt=1.9, gamma=0.0, max_windows=20, log_every_windows=2),
+        log=quiet_but,
+    ).train()
     warnings = [m for m in said if "does not settle" in m]
     assert len(warnings) == 1
     for field in ("free_steps", "dt", "gamma", "spectral_cap"):
@@ -466,7 +594,11 @@ def test_a_free_phase_that_does_not_settle_is_warned_about_once(tmp_path, small_
 
 def test_summary_is_strict_json_with_non_finite_figures_as_null(tmp_path, small_text, monkeypatch):
     tr = quiet(config(tmp_path, small_text, run_name="inf", max_windows=2))
-    monkeypatch.setattr(tr, "evaluate", lambda max_batches=None: {"heldout_loss": float("inf"), "heldout_bpc": float("nan"), "heldout_acc": 0.0})
+    monkeypatch.setattr(
+        tr,
+        "evaluate",
+        lambda max_batches=None: {"heldout_loss": float("inf"), "heldout_bpc": float("nan"), "heldout_acc": 0.0},
+    )
     summary = tr.train()
     written = strict_json((run_dir(tmp_path, "inf") / "summary.json").read_text())
     assert written == summary and written["heldout_loss"] is None and written["heldout_bpc"] is None
@@ -478,15 +610,21 @@ def test_summary_is_strict_json_with_non_finite_figures_as_null(tmp_path, small_
 
 def test_meta_json_keeps_a_bounded_history_and_resumed_runs_agree(tmp_path, small_text):
     n = HISTORY_ROWS + 30
-    whole = quiet(config(tmp_path, small_text, run_name="long", max_windows=n, log_every_windows=1, eval_every_windows=5))
+    whole = quiet(
+        config(tmp_path, small_text, run_name="long", max_windows=n, log_every_windows=1, eval_every_windows=5)
+    )
     whole.train()
     meta = ck.read_meta(ck.find_latest(run_dir(tmp_path, "long")))
     rows = read_telemetry(run_dir(tmp_path, "long") / TELEMETRY_FILE)
     assert len(rows) == n and len(meta["history"]) == HISTORY_ROWS
     assert strip_wall(meta["history"]) == strip_wall(rows[-HISTORY_ROWS:])
-    cut = quiet(config(tmp_path, small_text, run_name="cut", max_windows=n - 25, log_every_windows=1, eval_every_windows=5))
+    cut = quiet(
+        config(tmp_path, small_text, run_name="cut", max_windows=n - 25, log_every_windows=1, eval_every_windows=5)
+    )
     cut.train()
-    resumed = quiet(config(tmp_path, small_text, run_name="cut", max_windows=n, log_every_windows=1, eval_every_windows=5))
+    resumed = quiet(
+        config(tmp_path, small_text, run_name="cut", max_windows=n, log_every_windows=1, eval_every_windows=5)
+    )
     resumed.load_checkpoint(ck.find_latest(run_dir(tmp_path, "cut")))
     resumed.train()
     assert_same_checkpoint(run_dir(tmp_path, "long") / ck.step_name(n), run_dir(tmp_path, "cut") / ck.step_name(n))

@@ -9,10 +9,24 @@ import pytest
 
 from trainer2.cli import main
 from trainer2.config import TrainConfig
-from trainer2.trainer import Trainer
+from trainer2.running.trainer import Trainer
 
-TINY = ["--hidden_sizes", "16", "--coord_dim_n", "4", "--rotor_k", "4", "--batch_size", "20",
-        "--free_steps", "24", "--nudge_steps", "12", "--log_every_windows", "20"]
+TINY = [
+    "--hidden_sizes",
+    "16",
+    "--coord_dim_n",
+    "4",
+    "--rotor_k",
+    "4",
+    "--batch_size",
+    "20",
+    "--free_steps",
+    "24",
+    "--nudge_steps",
+    "12",
+    "--log_every_windows",
+    "20",
+]
 
 
 def blobs(path, seed: int = 0) -> str:
@@ -26,9 +40,19 @@ def blobs(path, seed: int = 0) -> str:
 
 
 def test_separable_blobs_reach_high_heldout_accuracy(tmp_path) -> None:
-    cfg = TrainConfig(data=blobs(tmp_path / "blobs.npz"), dtype="float64", hidden_sizes=[16], coord_dim_n=4, rotor_k=4,
-                      batch_size=20, free_steps=24, nudge_steps=12, max_windows=60, eta_update=0.02,
-                      checkpoint_dir=str(tmp_path))
+    cfg = TrainConfig(
+        data=blobs(tmp_path / "blobs.npz"),
+        dtype="float64",
+        hidden_sizes=[16],
+        coord_dim_n=4,
+        rotor_k=4,
+        batch_size=20,
+        free_steps=24,
+        nudge_steps=12,
+        max_windows=60,
+        eta_update=0.02,
+        checkpoint_dir=str(tmp_path),
+    )
     t = Trainer(cfg, log=lambda *_: None)
     assert t.machine.emb is None and t.machine.energy.weights[0].shape == (16, 4)  # x is clamped directly
     before = t.evaluate()["heldout_acc"]
@@ -45,11 +69,15 @@ def test_cli_trains_features_and_reports_accuracy(tmp_path, capsys) -> None:
     assert rc == 0 and "nats/example, acc" in out and "bpc" not in out.splitlines()[-1]
 
 
-@pytest.mark.parametrize("arrays,pattern", [
-    ({"x": np.zeros((10, 2), dtype=np.float32), "y": np.zeros(10)}, "y must be an integer array"),
-    ({"x": np.zeros((10, 2), dtype=np.float32)}, "missing array 'y'"),
-    ({"x": np.zeros((10, 2), dtype=np.float32), "y": np.arange(10) * 1000}, "class indices 0..K-1"),
-], ids=["float_labels", "missing_y", "sparse_labels"])
+@pytest.mark.parametrize(
+    "arrays,pattern",
+    [
+        ({"x": np.zeros((10, 2), dtype=np.float32), "y": np.zeros(10)}, "y must be an integer array"),
+        ({"x": np.zeros((10, 2), dtype=np.float32)}, "missing array 'y'"),
+        ({"x": np.zeros((10, 2), dtype=np.float32), "y": np.arange(10) * 1000}, "class indices 0..K-1"),
+    ],
+    ids=["float_labels", "missing_y", "sparse_labels"],
+)
 def test_cli_refuses_malformed_npz(tmp_path, capsys, arrays, pattern) -> None:
     path = tmp_path / "bad.npz"
     np.savez(path, **arrays)

@@ -7,9 +7,18 @@ import math
 import pytest
 import torch
 
-from trainer2.geometry import (Candidates, ReadoutParams, ReadoutScratch, target_mask, readout_force, readout_frame, readout_loss_and_grads,
-                               rotor_layers, rotor_layout, rotor_matrix)
-
+from trainer2.physics.readout import (
+    Candidates,
+    ReadoutParams,
+    ReadoutScratch,
+    readout_force,
+    readout_frame,
+    readout_loss_and_grads,
+    rotor_layers,
+    rotor_layout,
+    rotor_matrix,
+    target_mask,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +37,9 @@ def givens_product(theta, layout, n):
     rot = torch.eye(n)
     for j, (a, b) in enumerate(planes):
         c, s = torch.cos(theta[j]), torch.sin(theta[j])
-        giv = torch.eye(n).index_put((torch.tensor([a, a, b, b]), torch.tensor([a, b, a, b])), torch.stack([c, -s, s, c]))
+        giv = torch.eye(n).index_put(
+            (torch.tensor([a, a, b, b]), torch.tensor([a, b, a, b])), torch.stack([c, -s, s, c])
+        )
         rot = giv @ rot
     return rot
 
@@ -58,7 +69,9 @@ def test_readout_gradients_match_autograd(with_bank, k):
     nb = 4 if with_bank else 0
     bank, bank_labels = torch.randn(nb, n, generator=gen), torch.randint(0, V, (nb,), generator=gen)
     bank_bias = torch.tensor([0.0, 0.0, 0.0, -math.inf][:nb])
-    cand = Candidates(torch.cat([protos, bank]), torch.cat([torch.arange(V), bank_labels]), torch.cat([torch.zeros(V), bank_bias]))
+    cand = Candidates(
+        torch.cat([protos, bank]), torch.cat([torch.arange(V), bank_labels]), torch.cat([torch.zeros(V), bank_bias])
+    )
     frame = readout_frame(ReadoutParams(g, theta, protos, r_sc), cand, layout, 2.0, 1e-6)
     mask = target_mask(cand.labels, y, q.dtype)
     sc = ReadoutScratch.allocate(B, n, V + nb, q)

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from trainer2.cli import main
 from trainer2.config import TrainConfig
-from trainer2.data import DataError, load_dataset
-from trainer2.trainer import Trainer
+from trainer2.io.data import DataError, load_dataset
+from trainer2.running.trainer import Trainer
 
 
 def idx_bytes(a: np.ndarray) -> bytes:
@@ -25,8 +25,12 @@ def idx_bytes(a: np.ndarray) -> bytes:
 
 def write_mnist(d, n_train: int = 30, n_test: int = 10, gz: bool = True):
     rng = np.random.default_rng(0)
-    arrays = {"train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 6, 5)), "train-labels-idx1-ubyte": rng.integers(0, 4, n_train),
-              "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_test, 6, 5)), "t10k-labels-idx1-ubyte": rng.integers(0, 4, n_test)}
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 6, 5)),
+        "train-labels-idx1-ubyte": rng.integers(0, 4, n_train),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_test, 6, 5)),
+        "t10k-labels-idx1-ubyte": rng.integers(0, 4, n_test),
+    }
     d.mkdir(exist_ok=True)
     for i, (name, a) in enumerate(arrays.items()):
         if gz and i % 2 == 0:  # a mix of gzipped and plain files, as people unpack them
@@ -50,7 +54,10 @@ def write_cifar(d, sizes=(8, 6), n_test: int = 5):
 
 def test_image_npz_is_normalised_per_channel_and_keeps_its_shape(tmp_path):
     rng = np.random.default_rng(2)
-    x = rng.normal(size=(40, 3, 4, 5)) * np.array([1.0, 5.0, 0.1])[:, None, None] + np.array([0.0, 10.0, -3.0])[:, None, None]
+    x = (
+        rng.normal(size=(40, 3, 4, 5)) * np.array([1.0, 5.0, 0.1])[:, None, None]
+        + np.array([0.0, 10.0, -3.0])[:, None, None]
+    )
     np.savez(tmp_path / "im.npz", x=x.astype(np.float32), y=rng.integers(0, 3, 40))
     ds = load_dataset(str(tmp_path / "im.npz"), 8, heldout_fraction=0.25)
     assert ds.kind == "images" and ds.input_shape == (3, 4, 5) and ds.input_dim == 60
@@ -58,8 +65,9 @@ def test_image_npz_is_normalised_per_channel_and_keeps_its_shape(tmp_path):
     per_channel = ds.train.view(30, 3, 20)
     np.testing.assert_allclose(per_channel.mean((0, 2)).numpy(), 0.0, atol=1e-5)
     np.testing.assert_allclose(per_channel.std((0, 2), unbiased=False).numpy(), 1.0, atol=1e-4)
-    gray = load_dataset(_write(tmp_path / "g.npz", x=rng.integers(0, 256, (12, 7, 7)).astype(np.uint8),
-                               y=np.arange(12) % 2), 8)
+    gray = load_dataset(
+        _write(tmp_path / "g.npz", x=rng.integers(0, 256, (12, 7, 7)).astype(np.uint8), y=np.arange(12) % 2), 8
+    )
     assert gray.input_shape == (1, 7, 7) and gray.train.dtype.is_floating_point
 
 
@@ -133,11 +141,19 @@ def _five_d_npz(d):
     return _write(d / "x.npz", x=np.zeros((4, 1, 2, 2, 2), dtype=np.float32), y=np.zeros(4, dtype=np.int64))
 
 
-@pytest.mark.parametrize("make,pattern", [
-    (_truncated_idx, "truncated or corrupt"), (_bad_magic, "not an IDX file"), (_missing_labels, "train-labels-idx1-ubyte"),
-    (_hostile_pickle, "not allowed in a CIFAR batch"), (_bad_cifar_shape, "must be uint8 \\[N, 3072\\]"),
-    (_unknown_dir, "neither MNIST IDX files"), (_five_d_npz, "\\[N, C, H, W\\] images"),
-], ids=["truncated_idx", "bad_magic", "missing_labels", "hostile_pickle", "bad_cifar_shape", "unknown_dir", "five_d"])
+@pytest.mark.parametrize(
+    "make,pattern",
+    [
+        (_truncated_idx, "truncated or corrupt"),
+        (_bad_magic, "not an IDX file"),
+        (_missing_labels, "train-labels-idx1-ubyte"),
+        (_hostile_pickle, "not allowed in a CIFAR batch"),
+        (_bad_cifar_shape, "must be uint8 \\[N, 3072\\]"),
+        (_unknown_dir, "neither MNIST IDX files"),
+        (_five_d_npz, "\\[N, C, H, W\\] images"),
+    ],
+    ids=["truncated_idx", "bad_magic", "missing_labels", "hostile_pickle", "bad_cifar_shape", "unknown_dir", "five_d"],
+)
 def test_malformed_image_data_is_refused_naming_the_file(tmp_path, make, pattern):
     bad = make(tmp_path / "data")
     with pytest.raises(DataError, match=pattern) as e:
@@ -150,13 +166,25 @@ CONV = [{"conv": {"channels": 4, "kernel": 3, "pool": 2}}, {"dense": 12}]
 
 def test_a_conv_machine_trains_on_mnist_files(tmp_path):
     write_mnist(tmp_path / "mnist", n_train=40)
-    cfg = TrainConfig(data=str(tmp_path / "mnist"), layers=CONV, coord_dim_n=4, rotor_k=4, batch_size=8, free_steps=8,
-                      nudge_steps=4, max_windows=6, eval_every_windows=3, checkpoint_dir=str(tmp_path))
+    cfg = TrainConfig(
+        data=str(tmp_path / "mnist"),
+        layers=CONV,
+        coord_dim_n=4,
+        rotor_k=4,
+        batch_size=8,
+        free_steps=8,
+        nudge_steps=4,
+        max_windows=6,
+        eval_every_windows=3,
+        checkpoint_dir=str(tmp_path),
+    )
     t = Trainer(cfg, log=lambda *_: None)
     w = t.machine.named_params()["W_1"]
     before = w.clone()
     summary = t.train()
-    assert summary["data_kind"] == "images" and math.isfinite(summary["heldout_loss"]) and 0 <= summary["heldout_acc"] <= 1
+    assert (
+        summary["data_kind"] == "images" and math.isfinite(summary["heldout_loss"]) and 0 <= summary["heldout_acc"] <= 1
+    )
     assert w.shape == (4, 1, 3, 3) and not w.equal(before)  # the kernel learned
     assert t.machine.state_sizes() == [4 * 3 * 2, 12, 4]  # 6x5 pooled by 2 -> 3x2
 
@@ -172,7 +200,18 @@ def test_cli_refuses_a_conv_layer_above_feature_vectors(tmp_path, capsys):
 def test_the_conv_preset_runs_on_mnist_sized_images(tmp_path, capsys):
     rng = np.random.default_rng(3)
     data = _write(tmp_path / "digits.npz", x=rng.integers(0, 256, (24, 28, 28)).astype(np.uint8), y=np.arange(24) % 3)
-    args = ["--preset", "conv", "--data", data, "--max_windows", "2", "--batch_size", "8", "--checkpoint_dir", str(tmp_path)]
+    args = [
+        "--preset",
+        "conv",
+        "--data",
+        data,
+        "--max_windows",
+        "2",
+        "--batch_size",
+        "8",
+        "--checkpoint_dir",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     assert "acc" in capsys.readouterr().out
 
@@ -181,14 +220,43 @@ def test_a_conv_run_on_mnist_files_resumes_bitwise_identical(tmp_path, capsys):
     """The kernels, power vectors and sampler of a conv machine on image data round-trip through a checkpoint."""
     write_mnist(tmp_path / "mnist", n_train=40)
     cfg = tmp_path / "conv.yaml"
-    cfg.write_text("layers:\n  - conv: {channels: 3, kernel: 3, pool: 2}\n  - conv: {channels: 2}\n")  # power.0: a conv's
-    common = ["--data", str(tmp_path / "mnist"), "--config", str(cfg), "--checkpoint_dir", str(tmp_path / "ck"),
-              "--coord_dim_n", "4", "--rotor_k", "3", "--batch_size", "8", "--free_steps", "4", "--nudge_steps", "2"]
+    cfg.write_text(
+        "layers:\n  - conv: {channels: 3, kernel: 3, pool: 2}\n  - conv: {channels: 2}\n"
+    )  # power.0: a conv's
+    common = [
+        "--data",
+        str(tmp_path / "mnist"),
+        "--config",
+        str(cfg),
+        "--checkpoint_dir",
+        str(tmp_path / "ck"),
+        "--coord_dim_n",
+        "4",
+        "--rotor_k",
+        "3",
+        "--batch_size",
+        "8",
+        "--free_steps",
+        "4",
+        "--nudge_steps",
+        "2",
+    ]
     assert main([*common, "--run_name", "whole", "--max_windows", "8"]) == 0
     assert main([*common, "--run_name", "cut", "--max_windows", "4"]) == 0
-    assert main(["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "cut", "--max_windows", "8"]) == 0
+    assert (
+        main(
+            ["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"), "--run_name", "cut", "--max_windows", "8"]
+        )
+        == 0
+    )
     assert "resumed from" in capsys.readouterr().out
-    whole, cut = (load_file(str(tmp_path / "ck" / n / "step_00000008" / "tensors.safetensors")) for n in ("whole", "cut"))
-    assert whole.keys() == cut.keys() and whole["param.W_1"].shape == (3, 1, 3, 3) and whole["power.0"].shape == (2 * 3 * 2,)
+    whole, cut = (
+        load_file(str(tmp_path / "ck" / n / "step_00000008" / "tensors.safetensors")) for n in ("whole", "cut")
+    )
+    assert (
+        whole.keys() == cut.keys()
+        and whole["param.W_1"].shape == (3, 1, 3, 3)
+        and whole["power.0"].shape == (2 * 3 * 2,)
+    )
     for k in whole:
         assert torch.equal(whole[k], cut[k]), k

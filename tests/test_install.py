@@ -46,12 +46,22 @@ def installed(tmp_path_factory) -> Path:
             shutil.copy2(ROOT / name, src / name)
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(tmp / "dist"), str(src)],
-                   check=True, env=env, capture_output=True, timeout=300)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(tmp / "dist"), str(src)],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = (tmp / "dist").glob("trainer2-*.whl")
     site = tmp / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel)],
-                   check=True, env=env, capture_output=True, timeout=300)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel)],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     return site
 
 
@@ -65,8 +75,13 @@ def run_in(cwd: Path, site: Path, *argv: str | Path) -> subprocess.CompletedProc
 def test_the_installed_wheel_runs_every_command_from_another_directory(installed, tmp_path):
     site, work = installed, tmp_path
     # The installed copy is the one imported, and its presets are its own package data.
-    r = run_in(work, site, sys.executable, "-c",
-               "import trainer2, trainer2.config as c; print(trainer2.__file__); print(c.preset_path('dev'))")
+    r = run_in(
+        work,
+        site,
+        sys.executable,
+        "-c",
+        "import trainer2, trainer2.config as c; print(trainer2.__file__); print(c.preset_path('dev'))",
+    )
     assert r.returncode == 0, r.stderr
     module, preset = (Path(line) for line in r.stdout.splitlines())
     assert module.is_relative_to(site) and preset == site / "trainer2" / "configs" / "dev.yaml"
@@ -75,8 +90,21 @@ def test_the_installed_wheel_runs_every_command_from_another_directory(installed
     assert r.returncode == 0, r.stderr
     assert f"free_steps: 12  # preset {preset}" in r.stdout.splitlines()
 
-    r = run_in(work, site, site / "bin" / "trainer2", "--preset", "dev", "--max_windows", "3", "--eval_batches", "2",
-               "--checkpoint_dir", "ck", "--run_name", "dev")
+    r = run_in(
+        work,
+        site,
+        site / "bin" / "trainer2",
+        "--preset",
+        "dev",
+        "--max_windows",
+        "3",
+        "--eval_batches",
+        "2",
+        "--checkpoint_dir",
+        "ck",
+        "--run_name",
+        "dev",
+    )
     assert r.returncode == 0, r.stderr
     assert "done: 3 windows" in r.stdout
     ckpt = work / "ck" / "dev" / "step_00000003"
@@ -86,12 +114,39 @@ def test_the_installed_wheel_runs_every_command_from_another_directory(installed
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["window"] == 3
 
-    r = run_in(work, site, sys.executable, "-m", "trainer2", "sample", "--checkpoint", ckpt, "--prompt", "The ", "--length", "5")
+    r = run_in(
+        work,
+        site,
+        sys.executable,
+        "-m",
+        "trainer2",
+        "sample",
+        "--checkpoint",
+        ckpt,
+        "--prompt",
+        "The ",
+        "--length",
+        "5",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The ") and len(r.stdout) == len("The ") + 5 + 1  # prompt, 5 characters, print's newline
 
-    r = run_in(work, site, site / "bin" / "trainer2", "bench", "--preset", "dev", "--batch_sizes", "8", "--modes", "eager",
-               "--windows", "2", "--rounds", "1")
+    r = run_in(
+        work,
+        site,
+        site / "bin" / "trainer2",
+        "bench",
+        "--preset",
+        "dev",
+        "--batch_sizes",
+        "8",
+        "--modes",
+        "eager",
+        "--windows",
+        "2",
+        "--rounds",
+        "1",
+    )
     assert r.returncode == 0, r.stderr
     assert "eager" in r.stdout and "USDT" not in r.stderr
 

@@ -7,14 +7,14 @@ import dataclasses
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
 from tiny import tiny_batch, tiny_config, tiny_machine
+
 from trainer2.config import ConfigError, build_config
-from trainer2.geometry import ReadoutScratch, readout_frame, readout_loss_and_grads, target_mask
-from trainer2.gradients import ep_gradients
-from trainer2.relaxation import Relaxation
-from trainer2.step import build_step
-from trainer2.memory import MemoryBank
+from trainer2.learning.gradients import ep_gradients
+from trainer2.learning.step import build_step
+from trainer2.physics.memory import MemoryBank
+from trainer2.physics.readout import ReadoutScratch, readout_frame, readout_loss_and_grads, target_mask
+from trainer2.physics.relaxation import Relaxation
 
 
 def bank(capacity: int, batch: int, n: int = 2) -> MemoryBank:
@@ -65,7 +65,9 @@ def test_empty_slot_at_the_query_never_wins() -> None:
     def retrieve(cand):
         frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
         sc = ReadoutScratch.allocate(q.shape[0], q.shape[1], cand.coords.shape[0], q)
-        return readout_loss_and_grads(q, frame, cand, target_mask(cand.labels, targets, q.dtype), m.num_classes, m.layout, sc)
+        return readout_loss_and_grads(
+            q, frame, cand, target_mask(cand.labels, targets, q.dtype), m.num_classes, m.layout, sc
+        )
 
     b = bank(capacity=cfg.batch_size, batch=cfg.batch_size, n=cfg.coord_dim_n)
     wrong = (targets + 1) % m.num_classes
@@ -102,7 +104,9 @@ def test_step_writes_the_free_equilibrium_after_the_update() -> None:
     inputs, targets = tiny_batch(cfg)
     with torch.no_grad():
         step.step(inputs, targets)
-    assert torch.equal(b.coords[: cfg.batch_size], step.relax.s0.s[-1]) and torch.equal(b.labels[: cfg.batch_size], targets)
+    assert torch.equal(b.coords[: cfg.batch_size], step.relax.s0.s[-1]) and torch.equal(
+        b.labels[: cfg.batch_size], targets
+    )
     assert int(b.ptr) == cfg.batch_size and int(b.filled.sum()) == cfg.batch_size
 
 

@@ -29,7 +29,7 @@ def test_the_scored_characters_are_the_trainers_held_out_examples(small_text):
     """Same targets, same histories as Dataset.batch('heldout'): a bigram scored from the trainer's own examples."""
     import torch
 
-    from trainer2.data import load_dataset
+    from trainer2.io.data import load_dataset
 
     data = load_dataset(str(small_text), context_len=4)
     vocab, k = len(data.vocab), 0.1
@@ -38,6 +38,10 @@ def test_the_scored_characters_are_the_trainers_held_out_examples(small_text):
     for a, b in zip(train[:-1], train[1:]):
         pairs[a, b], hist[a] = pairs.get((a, b), 0) + 1, hist.get(a, 0) + 1
     contexts, targets = data.batch("heldout", torch.arange(data.num_examples("heldout")))
-    want = -np.mean([math.log2((pairs.get((c, t), 0) + k) / (hist.get(c, 0) + k * vocab))
-                     for c, t in zip(contexts[:, -1].tolist(), targets.tolist())])
+    want = -np.mean(
+        [
+            math.log2((pairs.get((c, t), 0) + k) / (hist.get(c, 0) + k * vocab))
+            for c, t in zip(contexts[:, -1].tolist(), targets.tolist())
+        ]
+    )
     assert math.isclose(held_out_bits(train, heldout, 2, vocab, 4)[k], want, rel_tol=1e-12)

@@ -8,25 +8,42 @@ import sys
 
 import pytest
 import torch
+from tiny import tiny_batch, tiny_config, tiny_machine
 
+from benchmarks import exact_gradient_reference as ref_module
 from benchmarks import quality
 from benchmarks.autograd_reference import cosine, exact_grads
-from benchmarks import exact_gradient_reference as ref_module
 from benchmarks.exact_gradient_reference import benchmark_config, exact_gradients, exact_trainer, train_feedforward
-from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.config import ConfigError, build_config
-from trainer2.gradients import ep_gradients
-from trainer2.relaxation import Relaxation
-from trainer2.trainer import Trainer, lr_at
-from trainer2.update import Updater
+from trainer2.learning.gradients import ep_gradients
+from trainer2.learning.update import Updater
+from trainer2.physics.relaxation import Relaxation
+from trainer2.running.trainer import Trainer, lr_at
 
-FAST = dict(hidden_sizes=[16], coord_dim_n=4, rotor_k=4, context_len=3, embed_dim=3, batch_size=16, free_steps=12,
-            nudge_steps=6, beta_nudge=0.003, r_init=4.0, proto_init_scale=0.3, log_every_windows=10, eval_every_windows=20,
-            eval_batches=2, eta_update=0.01, max_windows=40)
+FAST = dict(
+    hidden_sizes=[16],
+    coord_dim_n=4,
+    rotor_k=4,
+    context_len=3,
+    embed_dim=3,
+    batch_size=16,
+    free_steps=12,
+    nudge_steps=6,
+    beta_nudge=0.003,
+    r_init=4.0,
+    proto_init_scale=0.3,
+    log_every_windows=10,
+    eval_every_windows=20,
+    eval_batches=2,
+    eta_update=0.01,
+    max_windows=40,
+)
 
 
 def fast_config(tmp_path, data, **overrides):
-    return build_config([("test", {**FAST, "data": str(data), "checkpoint_dir": str(tmp_path), "device": "cpu", **overrides})])
+    return build_config(
+        [("test", {**FAST, "data": str(data), "checkpoint_dir": str(tmp_path), "device": "cpu", **overrides})]
+    )
 
 
 def test_exact_gradient_source_is_autograds_gradient():
@@ -36,14 +53,18 @@ def test_exact_gradient_source_is_autograds_gradient():
     with torch.no_grad():
         ep = ep_gradients(Relaxation(m, cfg, cfg.batch_size), inputs, targets)
         ex = exact_gradients(Relaxation(m, cfg, cfg.batch_size), inputs, targets)
-    ref, loss = exact_grads(m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+    ref, loss = exact_grads(
+        m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps
+    )
     assert ex.grads.keys() == ep.grads.keys() == set(m.named_params())
     for name, g_ex in ex.grads.items():
         torch.testing.assert_close(g_ex, ref[name])  # the autograd gradient itself, parameter by parameter
         assert cosine(g_ex, ep.grads[name]) > 0.999, name  # which EP estimates at small beta
     torch.testing.assert_close(ex.loss, ep.loss)  # same free phase, same readout
     torch.testing.assert_close(ex.loss.mean(), loss)
-    assert float(ex.stats.lior_mean) > 0 and float(ex.stats.lior_nudge) == 0.0  # real free-phase statistics, no nudged phase
+    assert (
+        float(ex.stats.lior_mean) > 0 and float(ex.stats.lior_nudge) == 0.0
+    )  # real free-phase statistics, no nudged phase
 
 
 def test_the_reference_trainer_steps_with_its_own_gradient_source_every_window(tmp_path, small_text, monkeypatch):
@@ -53,20 +74,31 @@ def test_the_reference_trainer_steps_with_its_own_gradient_source_every_window(t
     monkeypatch.setattr(ref_module, "exact_grads", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     applied_lr: list[float] = []
     real_apply = Updater.apply
-    monkeypatch.setattr(Updater, "apply", lambda self, out, targets: (applied_lr.append(float(self.state.lr)), real_apply(self, out, targets))[1])
-    cfg = fast_config(tmp_path, small_text, max_windows=6, lr_warmup_windows=4, lr_schedule="cosine", log_every_windows=3)
+    monkeypatch.setattr(
+        Updater,
+        "apply",
+        lambda self, out, targets: (applied_lr.append(float(self.state.lr)), real_apply(self, out, targets))[1],
+    )
+    cfg = fast_config(
+        tmp_path, small_text, max_windows=6, lr_warmup_windows=4, lr_schedule="cosine", log_every_windows=3
+    )
     ex = exact_trainer(cfg, log=lambda *_: None)
     assert ex.gradients is exact_gradients and ex.runner.batch_step is ex.batch_step
     ex.train()
     assert len(calls) == 6  # autograd's gradient, on every step the runner ran
-    assert applied_lr == pytest.approx([lr_at(cfg, w, 6) for w in range(6)])  # the schedule reaches the update that runs
+    assert applied_lr == pytest.approx(
+        [lr_at(cfg, w, 6) for w in range(6)]
+    )  # the schedule reaches the update that runs
     rows = [r for r in ex.history if "train_loss" in r]
     assert len(rows) == 2 and all(r["train_loss"] > 0.5 and r["train_bpc"] > 0.5 and r["lior_mean"] > 0 for r in rows)
 
 
 def test_exact_and_ep_trainers_start_identical_then_part_and_both_learn(tmp_path, small_text):
     cfg = fast_config(tmp_path, small_text)
-    ep, ex = Trainer(cfg, log=lambda *_: None), exact_trainer(cfg.model_copy(update={"run_name": "exact"}), log=lambda *_: None)
+    ep, ex = (
+        Trainer(cfg, log=lambda *_: None),
+        exact_trainer(cfg.model_copy(update={"run_name": "exact"}), log=lambda *_: None),
+    )
     assert ep.gradients is ep_gradients
     for a, b in zip(ep.machine.named_params().values(), ex.machine.named_params().values()):
         assert torch.equal(a, b)
@@ -108,15 +140,35 @@ def test_feedforward_baseline_learns(tmp_path, small_text, head):
 
 
 def test_max_rise_is_the_largest_rise_above_the_best_so_far():
-    rows = [{"heldout_bpc": 3.0}, {"train_bpc": 9.0}, {"heldout_bpc": 2.0}, {"heldout_bpc": 2.3}, {"heldout_bpc": 1.5}, {"heldout_bpc": 1.6}]
+    rows = [
+        {"heldout_bpc": 3.0},
+        {"train_bpc": 9.0},
+        {"heldout_bpc": 2.0},
+        {"heldout_bpc": 2.3},
+        {"heldout_bpc": 1.5},
+        {"heldout_bpc": 1.6},
+    ]
     assert quality.max_rise(rows) == pytest.approx(0.3)
     assert quality.max_rise([{"heldout_bpc": 3.0}, {"heldout_bpc": 2.0}]) == 0.0
 
 
 def test_quality_prints_both_figures_and_their_ratio(tmp_path, small_text, monkeypatch, capsys):
     out = tmp_path / "q.json"
-    argv = ["quality.py", "--preset", "dev", "--examples", "320", "--cosine_batches", "1", "--json", str(out), "--data", str(small_text),
-            "--checkpoint_dir", str(tmp_path)]
+    argv = [
+        "quality.py",
+        "--preset",
+        "dev",
+        "--examples",
+        "320",
+        "--cosine_batches",
+        "1",
+        "--json",
+        str(out),
+        "--data",
+        str(small_text),
+        "--checkpoint_dir",
+        str(tmp_path),
+    ]
     for k, v in FAST.items():
         if k != "max_windows":
             argv += [f"--{k}", *map(str, v)] if isinstance(v, list) else [f"--{k}", str(v)]
@@ -139,7 +191,9 @@ def test_production_preset_ep_update_tracks_the_exact_gradient():
     inputs, targets = trainer.next_batch()
     with torch.no_grad():
         est = trainer.gradients(trainer.relaxation, inputs, targets).grads
-    ref, _ = exact_grads(trainer.machine, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+    ref, _ = exact_grads(
+        trainer.machine, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps
+    )
     keep = [n for n in est if n[:2] in ("W_", "b_", "em")]
     a = torch.cat([est[n].flatten() for n in keep])
     b = torch.cat([ref[n].flatten() for n in keep])

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-
 from make_reference import OUT, trained_parameters
 
 REFERENCE = json.loads(OUT.read_text())
@@ -23,6 +22,11 @@ def test_parameters_after_50_windows_match_the_recorded_reference(case):
         got = params[name]
         assert list(got.shape) == want["shape"], name
         values = got.reshape(-1)[want["positions"]]
-        torch.testing.assert_close(values, torch.tensor(want["values"], dtype=torch.float64), rtol=1e-10, atol=1e-12,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            values,
+            torch.tensor(want["values"], dtype=torch.float64),
+            rtol=1e-10,
+            atol=1e-12,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )
         assert float(got.norm()) == pytest.approx(want["norm"], rel=1e-10), name

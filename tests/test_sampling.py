@@ -9,18 +9,32 @@ import torch
 
 from trainer2.cli import main
 from trainer2.config import TrainConfig
-from trainer2.data import DataError
-from trainer2.relaxation import Relaxation
-from trainer2.sampling import generate, next_char_probs
-from trainer2.trainer import Trainer
+from trainer2.io.data import DataError
+from trainer2.physics.relaxation import Relaxation
+from trainer2.running.sampling import generate, next_char_probs
+from trainer2.running.trainer import Trainer
 
 
 @pytest.fixture
 def trained(small_text, tmp_path) -> Trainer:
     """A tiny machine with a memory bank, trained for a few windows on the small text."""
-    cfg = TrainConfig(data=str(small_text), device="cpu", dtype="float64", hidden_sizes=[24], coord_dim_n=4, rotor_k=4, context_len=4,
-                      embed_dim=4, batch_size=16, free_steps=24, nudge_steps=12, memory_capacity=64,
-                      max_windows=40, eval_batches=1, checkpoint_dir=str(tmp_path / "ck"))
+    cfg = TrainConfig(
+        data=str(small_text),
+        device="cpu",
+        dtype="float64",
+        hidden_sizes=[24],
+        coord_dim_n=4,
+        rotor_k=4,
+        context_len=4,
+        embed_dim=4,
+        batch_size=16,
+        free_steps=24,
+        nudge_steps=12,
+        memory_capacity=64,
+        max_windows=40,
+        eval_batches=1,
+        checkpoint_dir=str(tmp_path / "ck"),
+    )
     t = Trainer(cfg, log=lambda *_: None)
     t.train()
     return t
@@ -45,7 +59,9 @@ def test_fixed_seed_is_reproducible_and_stays_in_vocabulary(trained: Trainer) ->
     a = generate(sampler(trained), vocab, "the ", 60, 1.0, seed=5)
     assert len(a) == 60 and set(a) <= set(vocab)
     assert generate(sampler(trained), vocab, "the ", 60, 1.0, seed=5) == a
-    assert generate(sampler(trained), vocab, "the ", 60, 2.0, seed=6) != generate(sampler(trained), vocab, "the ", 60, 2.0, seed=7)
+    assert generate(sampler(trained), vocab, "the ", 60, 2.0, seed=6) != generate(
+        sampler(trained), vocab, "the ", 60, 2.0, seed=7
+    )
 
 
 def test_temperature_zero_is_argmax_whatever_the_seed(trained: Trainer) -> None:
@@ -77,7 +93,21 @@ def final_checkpoint(t: Trainer) -> str:
 
 
 def test_sample_command_prints_prompt_and_continuation(trained: Trainer, capsys) -> None:
-    rc = main(["sample", "--checkpoint", final_checkpoint(trained), "--prompt", "the ", "--length", "30", "--temperature", "0.7", "--seed", "4"])
+    rc = main(
+        [
+            "sample",
+            "--checkpoint",
+            final_checkpoint(trained),
+            "--prompt",
+            "the ",
+            "--length",
+            "30",
+            "--temperature",
+            "0.7",
+            "--seed",
+            "4",
+        ]
+    )
     assert rc == 0
     expected = "the " + generate(sampler(trained), trained.data.vocab, "the ", 30, 0.7, 4)
     assert capsys.readouterr().out == expected + "\n"
@@ -93,12 +123,15 @@ def test_sample_command_refuses_bad_input(trained: Trainer, tmp_path, capsys) ->
     assert err.value.code == 2 and "--temperature must be a finite number >= 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--temperature", "nan", "--temperature must be a finite number >= 0, got nan"),  # was a traceback
-    ("--temperature", "inf", "--temperature must be a finite number >= 0, got inf"),
-    ("--length", "100000000000", "--length must be in 0..1,000,000, got 100,000,000,000"),  # was a traceback
-    ("--seed", str(2**64), "--seed must be in"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--temperature", "nan", "--temperature must be a finite number >= 0, got nan"),  # was a traceback
+        ("--temperature", "inf", "--temperature must be a finite number >= 0, got inf"),
+        ("--length", "100000000000", "--length must be in 0..1,000,000, got 100,000,000,000"),  # was a traceback
+        ("--seed", str(2**64), "--seed must be in"),
+    ],
+)
 def test_sample_refuses_absurd_numbers_before_loading(tmp_path, capsys, flag, value, message) -> None:
     # The checkpoint does not even exist: the numbers are checked first, so nothing is loaded for a bad call.
     with pytest.raises(SystemExit) as err:

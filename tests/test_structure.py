@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 
 import torch
-
 from tiny import tiny_config, tiny_machine
-from trainer2.params import ParamTable
+
+from trainer2.learning.params import ParamTable
 
 PACKAGE = Path(__file__).resolve().parent.parent / "trainer2"
 
@@ -30,7 +30,7 @@ def test_no_import_circles_inside_the_package():
 
     def visit(node: str, path: list[str]) -> None:
         if node in path:
-            raise AssertionError("import circle: " + " -> ".join(path[path.index(node):] + [node]))
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(node) :] + [node]))
         if node in done:
             return
         for nxt in sorted(graph.get(node, ())):
@@ -47,7 +47,9 @@ def test_the_parameter_table_follows_the_one_written_order():
     table = ParamTable.build(m, cfg)
     assert table.names == ("emb", "W_1", "b_1", "W_2", "b_2", "W_out", "b_out", "g_diag", "theta", "protos", "r_sc")
     assert all(t is m.named_params()[n] for n, t in zip(table.names, table.tensors))  # live tensors, not copies
-    assert table.groups[:1] == ("embed",) and set(table.groups[1:7]) == {"energy"} and set(table.groups[7:]) == {"readout"}
+    assert (
+        table.groups[:1] == ("embed",) and set(table.groups[1:7]) == {"energy"} and set(table.groups[7:]) == {"readout"}
+    )
     grads = {n: torch.zeros_like(t) for n, t in zip(table.names, table.tensors)}
     assert [g.shape for g in table.ordered(grads)] == [t.shape for t in table.tensors]
     del grads["theta"]

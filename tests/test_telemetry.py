@@ -14,22 +14,39 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_batch, tiny_config, tiny_machine
 from tqdm import std as tqdm_std
 from tqdm import tqdm
 
-from tiny import tiny_batch, tiny_config, tiny_machine
 from trainer2.cli import main
 from trainer2.config import ConfigError, build_config, preset_path, read_yaml
-from trainer2.step import build_step
-from trainer2.profiling import PHASES, PhaseTimer, drop_kineto_markers
-from trainer2.telemetry import CacheCleaner, Monitor, Telemetry, TelemetryError, read_telemetry, should_cleanup
-from trainer2.trainer import Trainer
+from trainer2.io.profiling import PHASES, PhaseTimer, drop_kineto_markers
+from trainer2.io.telemetry import CacheCleaner, Monitor, Telemetry, TelemetryError, read_telemetry, should_cleanup
+from trainer2.learning.step import build_step
+from trainer2.running.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = {
-    "window", "epoch", "examples", "train_loss", "train_bpc", "lior_mean", "R_mean", "spd_mean", "spd_last", "lior_diff",
-    "update_norm_energy", "update_norm_readout", "update_norm_embed", "dropped", "dropped_total", "lr",
-    "windows_per_second", "mem_allocated_mib", "mem_reserved_mib", "cache_cleanups",
+    "window",
+    "epoch",
+    "examples",
+    "train_loss",
+    "train_bpc",
+    "lior_mean",
+    "R_mean",
+    "spd_mean",
+    "spd_last",
+    "lior_diff",
+    "update_norm_energy",
+    "update_norm_readout",
+    "update_norm_embed",
+    "dropped",
+    "dropped_total",
+    "lr",
+    "windows_per_second",
+    "mem_allocated_mib",
+    "mem_reserved_mib",
+    "cache_cleanups",
 }
 HELDOUT_KEYS = {"heldout_loss", "heldout_bpc", "heldout_acc"}
 
@@ -37,9 +54,24 @@ HELDOUT_KEYS = {"heldout_loss", "heldout_bpc", "heldout_acc"}
 def run_flags(data: Path, ck: Path, **over) -> dict:
     """A tiny, fast text run on the CPU, also where a GPU is present (float64 not needed: these tests check records,
     not numerics)."""
-    flags = dict(data=str(data), checkpoint_dir=str(ck), run_name="t", device="cpu", hidden_sizes=[8], coord_dim_n=4, rotor_k=3,
-                 context_len=3, embed_dim=3, batch_size=8, free_steps=6, nudge_steps=3, max_windows=6,
-                 log_every_windows=2, eval_every_windows=4, eval_batches=1)
+    flags = dict(
+        data=str(data),
+        checkpoint_dir=str(ck),
+        run_name="t",
+        device="cpu",
+        hidden_sizes=[8],
+        coord_dim_n=4,
+        rotor_k=3,
+        context_len=3,
+        embed_dim=3,
+        batch_size=8,
+        free_steps=6,
+        nudge_steps=3,
+        max_windows=6,
+        log_every_windows=2,
+        eval_every_windows=4,
+        eval_batches=1,
+    )
     flags.update(over)
     return flags
 
@@ -79,7 +111,9 @@ def test_a_log_interval_reads_the_device_once(small_text, tmp_path, monkeypatch)
     reads = []
     for name in ("tolist", "item", "__float__", "__int__", "__bool__", "numpy"):
         orig = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1]
+        )
     row = trainer.sync_metrics()
     trainer.monitor.record(row)
     monkeypatch.undo()
@@ -94,7 +128,9 @@ def test_a_killed_run_leaves_only_whole_lines(small_text, tmp_path):
     for k, v in flags.items():
         argv += [f"--{k}", *map(str, v if isinstance(v, list) else [v])]
     path = tmp_path / "t" / "telemetry.jsonl"
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     try:
         deadline = time.monotonic() + 120
         while not (path.exists() and path.read_text().count("\n") >= 5):
@@ -154,12 +190,16 @@ def test_profiling_preset_writes_a_trace_that_names_every_phase(small_text, tmp_
 
 def test_kineto_markers_are_dropped_and_every_other_stderr_line_is_kept(capfd):
     with drop_kineto_markers():
-        os.write(2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\nkept: a warning\n")
+        os.write(
+            2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\nkept: a warning\n"
+        )
         os.write(2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:59] profiler_stop\nkept: another\n")
     assert capfd.readouterr().err == "kept: a warning\nkept: another\n"
 
 
-@pytest.mark.parametrize(("allocated", "reserved", "fires"), [(95, 100, True), (90, 100, False), (50, 100, False), (0, 0, False)])
+@pytest.mark.parametrize(
+    ("allocated", "reserved", "fires"), [(95, 100, True), (90, 100, False), (50, 100, False), (0, 0, False)]
+)
 def test_cleanup_rule_fires_only_above_the_threshold(allocated, reserved, fires):
     assert should_cleanup(allocated, reserved, 0.9) is fires
 
@@ -194,7 +234,10 @@ def test_step_progress_and_phase_timing_leave_the_result_unchanged():
         assert torch.equal(p, q), name
     assert torch.equal(a.updater.metrics.values, b.updater.metrics.values)
     one = [c[:3] for c in calls[: len(calls) // 2]]
-    assert one == [("free", 3, 8), ("free", 6, 8), ("free", 8, 8)] + [("nudged", 3, 4), ("nudged", 4, 4)]  # +-beta stacked: one window
+    assert one == [("free", 3, 8), ("free", 6, 8), ("free", 8, 8)] + [
+        ("nudged", 3, 4),
+        ("nudged", 4, 4),
+    ]  # +-beta stacked: one window
     assert all(math.isfinite(c[3]) and c[4] >= 0 for c in calls)
     times = timer.collect(2)
     assert all(times[f"time_{p}_ms"] > 0 for p in ("free", "nudged", "update"))
@@ -205,7 +248,9 @@ def test_a_step_that_is_not_eager_is_timed_whole_and_reports_progress_at_window_
     step = build_step(tiny_machine(cfg), cfg, cfg.batch_size)
     said = []
     mon = Monitor(cfg, torch.device("cpu"), tmp_path, eager=False, log=said.append)
-    mon.attach(step.relax, tqdm(disable=False, file=io.StringIO()), "run")  # as with CUDA graphs or torch.compile: nothing may run inside the step
+    mon.attach(
+        step.relax, tqdm(disable=False, file=io.StringIO()), "run"
+    )  # as with CUDA graphs or torch.compile: nothing may run inside the step
     assert step.relax.on_steps is None and step.relax.phase != mon.timer.phase
     assert len(said) == 1 and "window boundaries" in said[0]
     with torch.no_grad(), mon.step_phase():
@@ -222,9 +267,22 @@ def test_progress_bar_in_a_pipe_does_not_flood(small_text, tmp_path, capsys, mon
             super().__init__(*args, **{**kwargs, "disable": False})  # a bar that shows, whatever TQDM_DISABLE says
             bars.append(self)
 
-    monkeypatch.setattr("trainer2.trainer.tqdm", Spy)
-    cfg = build_config([("test", run_flags(small_text, tmp_path, max_windows=40, log_every_windows=1, eval_every_windows=0,
-                                           step_progress_every=2))])
+    monkeypatch.setattr("trainer2.running.trainer.tqdm", Spy)
+    cfg = build_config(
+        [
+            (
+                "test",
+                run_flags(
+                    small_text,
+                    tmp_path,
+                    max_windows=40,
+                    log_every_windows=1,
+                    eval_every_windows=0,
+                    step_progress_every=2,
+                ),
+            )
+        ]
+    )
     Trainer(cfg, log=lambda s: None).train()
     err = capsys.readouterr().err  # pytest's capture is not a TTY
     assert bars[0].mininterval >= 30  # step progress refreshes no more often than this either
@@ -245,9 +303,11 @@ def test_the_compile_is_kept_out_of_the_progress_bars_rate_and_eta(small_text, t
             self.last = dict(self.format_dict)
             super().close()
 
-    monkeypatch.setattr("trainer2.trainer.tqdm", Spy)
+    monkeypatch.setattr("trainer2.running.trainer.tqdm", Spy)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # a "compiled" step that is the eager one
-    cfg = build_config([("test", run_flags(small_text, tmp_path, use_torch_compile=True, max_windows=6, eval_every_windows=0))])
+    cfg = build_config(
+        [("test", run_flags(small_text, tmp_path, use_torch_compile=True, max_windows=6, eval_every_windows=0))]
+    )
     trainer = Trainer(cfg, log=lambda s: None)
     real, calls = trainer.runner.step, []
 
@@ -264,21 +324,47 @@ def test_the_compile_is_kept_out_of_the_progress_bars_rate_and_eta(small_text, t
 
 def test_a_disabled_bar_with_step_progress_runs_and_reads_nothing_per_step(small_text, tmp_path, monkeypatch):
     """TQDM_DISABLE=1 (as CI and users set) used to end in AttributeError: 'tqdm' object has no attribute 'desc'."""
+
     class Disabled(tqdm):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **{**kwargs, "disable": True})  # what TQDM_DISABLE=1 does (tqdm reads it at import)
 
-    monkeypatch.setattr("trainer2.trainer.tqdm", Disabled)
-    cfg = build_config([("test", run_flags(small_text, tmp_path, max_windows=3, log_every_windows=1, eval_every_windows=0,
-                                           step_progress_every=2))])
+    monkeypatch.setattr("trainer2.running.trainer.tqdm", Disabled)
+    cfg = build_config(
+        [
+            (
+                "test",
+                run_flags(
+                    small_text,
+                    tmp_path,
+                    max_windows=3,
+                    log_every_windows=1,
+                    eval_every_windows=0,
+                    step_progress_every=2,
+                ),
+            )
+        ]
+    )
     trainer = Trainer(cfg, log=lambda s: None)
     assert trainer.train()["windows"] == 3
     assert trainer.relaxation.on_steps is None  # nothing shows progress, so none is read back
 
 
 def write_rows(path: Path, n: int) -> None:
-    rows = [{"window": w, "train_bpc": 5 - w / 10, "train_acc": w / 20, "lior_mean": 2.0, "spd_mean": 0.1, "spd_last": 1e-3,
-             "windows_per_second": 10.0, "time_free_ms": 3.0, "time_nudged_ms": 2.0} for w in range(1, n + 1)]
+    rows = [
+        {
+            "window": w,
+            "train_bpc": 5 - w / 10,
+            "train_acc": w / 20,
+            "lior_mean": 2.0,
+            "spd_mean": 0.1,
+            "spd_last": 1e-3,
+            "windows_per_second": 10.0,
+            "time_free_ms": 3.0,
+            "time_nudged_ms": 2.0,
+        }
+        for w in range(1, n + 1)
+    ]
     rows[-1].update(heldout_bpc=4.0, heldout_acc=0.3)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -311,8 +397,17 @@ def test_plot_refuses_a_directory_without_telemetry(tmp_path, capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_phases_are_timed_with_events_and_memory_and_device_ops_are_recorded(small_text, tmp_path):
-    over = run_flags(small_text, tmp_path, device="cuda", timing_debug=True, profile_windows=2, max_windows=8, log_every_windows=4,
-                     cleanup_every=1, cleanup_threshold=0.01)
+    over = run_flags(
+        small_text,
+        tmp_path,
+        device="cuda",
+        timing_debug=True,
+        profile_windows=2,
+        max_windows=8,
+        log_every_windows=4,
+        cleanup_every=1,
+        cleanup_threshold=0.01,
+    )
     Trainer(build_config([("test", over)]), log=lambda s: None).train()
     rows = read_telemetry(tmp_path / "t" / "telemetry.jsonl")
     assert all(r["time_free_ms"] > 0 and r["time_nudged_ms"] > 0 and r["mem_reserved_mib"] > 0 for r in rows)

@@ -10,11 +10,22 @@ import torch
 
 from trainer2.cli import main
 from trainer2.config import build_config
-from trainer2.step import BatchStep
-from trainer2.trainer import Trainer
+from trainer2.learning.step import BatchStep
+from trainer2.running.trainer import Trainer
 
-FAST = dict(hidden_sizes=[32], coord_dim_n=8, rotor_k=8, context_len=4, embed_dim=4, batch_size=16,
-            free_steps=12, nudge_steps=6, log_every_windows=20, eval_every_windows=0, eta_update=0.01)
+FAST = dict(
+    hidden_sizes=[32],
+    coord_dim_n=8,
+    rotor_k=8,
+    context_len=4,
+    embed_dim=4,
+    batch_size=16,
+    free_steps=12,
+    nudge_steps=6,
+    log_every_windows=20,
+    eval_every_windows=0,
+    eta_update=0.01,
+)
 
 
 def fast_config(tmp_path: Path, data: Path, **overrides):
@@ -51,16 +62,39 @@ def test_grad_mode_is_off_and_no_tensor_requires_grad(tmp_path, small_text, monk
 
 
 def test_package_never_uses_autograd_or_torch_optim():
-    pattern = re.compile(r"\.backward\(|torch\.autograd|torch\.optim|enable_grad|requires_grad_\(True\)|requires_grad=True")
+    pattern = re.compile(
+        r"\.backward\(|torch\.autograd|torch\.optim|enable_grad|requires_grad_\(True\)|requires_grad=True"
+    )
     root = Path(__file__).resolve().parent.parent / "trainer2"
-    offenders = [f"{p.name}:{i}" for p in root.rglob("*.py") for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    offenders = [
+        f"{p.name}:{i}"
+        for p in root.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert offenders == []
 
 
 def test_graphs_without_cuda_warn_once_and_run_eagerly(tmp_path, small_text, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    code = main(["--data", str(small_text), "--checkpoint_dir", str(tmp_path), "--use_cudagraphs", "--static_shapes",
-                 "--capture_batch_size", "8", "--max_windows", "3", "--hidden_sizes", "16", "--eval_batches", "1"])
+    code = main(
+        [
+            "--data",
+            str(small_text),
+            "--checkpoint_dir",
+            str(tmp_path),
+            "--use_cudagraphs",
+            "--static_shapes",
+            "--capture_batch_size",
+            "8",
+            "--max_windows",
+            "3",
+            "--hidden_sizes",
+            "16",
+            "--eval_batches",
+            "1",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0
     assert (out.out + out.err).count("needs a CUDA device") == 1

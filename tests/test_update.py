@@ -6,16 +6,19 @@ import math
 
 import pytest
 import torch
-
 from tiny import tiny_config
-from trainer2.update import UpdateState, flat_update
+
+from trainer2.learning.update import UpdateState, flat_update
 
 
 def make_state(flat, rule: str) -> UpdateState:
     return UpdateState(
-        bufs=torch.zeros_like(flat), sq=torch.zeros_like(flat) if rule == "adam" else flat.new_zeros(0),
-        count=torch.zeros((), dtype=torch.float64), lr=torch.tensor(0.05, dtype=torch.float64),
-        dropped=torch.zeros((), dtype=torch.float64), power_vecs=[],
+        bufs=torch.zeros_like(flat),
+        sq=torch.zeros_like(flat) if rule == "adam" else flat.new_zeros(0),
+        count=torch.zeros((), dtype=torch.float64),
+        lr=torch.tensor(0.05, dtype=torch.float64),
+        dropped=torch.zeros((), dtype=torch.float64),
+        power_vecs=[],
     )
 
 
@@ -28,8 +31,15 @@ def test_update_matches_torch_optim(rule):
     ref = [p.clone().requires_grad_(True) for p in mine]
     mult = torch.tensor([1.0] * 12 + [3.0] * 5, dtype=torch.float64)
     decay = torch.tensor([0.01] * 12 + [0.0] * 5, dtype=torch.float64)
-    groups = [{"params": [ref[0]], "lr": 0.05, "weight_decay": 0.01}, {"params": [ref[1]], "lr": 0.15, "weight_decay": 0.0}]
-    opt = torch.optim.SGD(groups, momentum=0.8) if rule == "momentum" else torch.optim.Adam(groups, betas=(0.8, 0.99), eps=1e-8)
+    groups = [
+        {"params": [ref[0]], "lr": 0.05, "weight_decay": 0.01},
+        {"params": [ref[1]], "lr": 0.15, "weight_decay": 0.0},
+    ]
+    opt = (
+        torch.optim.SGD(groups, momentum=0.8)
+        if rule == "momentum"
+        else torch.optim.Adam(groups, betas=(0.8, 0.99), eps=1e-8)
+    )
     st = make_state(flat, rule)
     for _ in range(5):
         grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in mine]

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_batch, tiny_config, tiny_machine
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tiny import tiny_batch, tiny_config, tiny_machine
-from trainer2.capture import step_tensors
-from trainer2.energy import energy, input_drive
-from trainer2.memory import MemoryBank
-from trainer2.relaxation import Relaxation
-from trainer2.window import Integrator, PhaseRun, Workspace, fixed_point_steps, leapfrog_steps, set_nudge_scale
+from trainer2.physics.dynamics import (
+    Integrator,
+    PhaseRun,
+    Workspace,
+    fixed_point_steps,
+    leapfrog_steps,
+    set_nudge_scale,
+)
+from trainer2.physics.energy import energy, input_drive
+from trainer2.physics.memory import MemoryBank
+from trainer2.physics.relaxation import Relaxation
+from trainer2.running.step_runner import step_tensors
 
 
 def primed(memory_capacity: int = 0, **overrides):
@@ -23,7 +30,10 @@ def primed(memory_capacity: int = 0, **overrides):
     if memory_capacity:
         bank = MemoryBank.allocate(memory_capacity, cfg.coord_dim_n, cfg.batch_size, m.readout.protos)
         gen = torch.Generator().manual_seed(4)
-        bank.write(torch.randn(cfg.batch_size, cfg.coord_dim_n, generator=gen, dtype=torch.float64), torch.arange(cfg.batch_size) % 7)
+        bank.write(
+            torch.randn(cfg.batch_size, cfg.coord_dim_n, generator=gen, dtype=torch.float64),
+            torch.arange(cfg.batch_size) % 7,
+        )
     relax = Relaxation(m, cfg, cfg.batch_size, bank)
     inputs, targets = tiny_batch(cfg)
     with torch.no_grad():
@@ -40,7 +50,9 @@ def test_spd_history_equals_the_separate_computation():
         relax.run(ws, free, t, 1, False)
         qs.append(ws.state.s[-1].clone())
     metric = free.frame.rot.T @ torch.diag(m.readout.g_diag) @ free.frame.rot
-    spd = torch.stack([torch.sqrt((((b - a) / cfg.dt @ metric) * (b - a) / cfg.dt).sum(1) + cfg.eps) for a, b in zip(qs[:-1], qs[1:])])
+    spd = torch.stack(
+        [torch.sqrt((((b - a) / cfg.dt @ metric) * (b - a) / cfg.dt).sum(1) + cfg.eps) for a, b in zip(qs[:-1], qs[1:])]
+    )
     assert torch.allclose(ws.spd_hist[:15], spd, rtol=1e-10)
 
 
@@ -72,7 +84,9 @@ def test_unit_step_is_the_fixed_point_iteration():
 @pytest.mark.parametrize("hidden", [[12], [9, 7, 6]])
 def test_fixed_point_steps_is_the_leapfrog_at_unit_step(memory_capacity, hidden):
     """Free and stacked nudged windows: the fixed point and the general leapfrog at dt = gamma = mass = 1 agree."""
-    cfg, m, relax, free, _ = primed(memory_capacity, hidden_sizes=hidden, free_steps=20, nudge_steps=20, beta_nudge=0.05)
+    cfg, m, relax, free, _ = primed(
+        memory_capacity, hidden_sizes=hidden, free_steps=20, nudge_steps=20, beta_nudge=0.05
+    )
     unit = Integrator(1.0, 1.0, 1.0)
     sizes, k = m.state_sizes(), free.cand.coords.shape[0]
     for src, nudged, steps in ((relax.ws, False, 20), (relax.ws_nudged, True, 20)):
@@ -86,7 +100,9 @@ def test_fixed_point_steps_is_the_leapfrog_at_unit_step(memory_capacity, hidden)
                 s.copy_(torch.cat([s0] * len(betas)))
         set_nudge_scale(fixed, free.fold, unit)
         set_nudge_scale(leap, free.fold, Integrator(1.0, 1.0, 1.000001))  # the leapfrog's factor (-beta)
-        fixed_point_steps(PhaseRun(fixed, m.energy, free.frame, free.fold, unit, 0, steps, nudged, memory_capacity == 0))
+        fixed_point_steps(
+            PhaseRun(fixed, m.energy, free.frame, free.fold, unit, 0, steps, nudged, memory_capacity == 0)
+        )
         leapfrog_steps(PhaseRun(leap, m.energy, free.frame, free.fold, unit, 0, steps, nudged, memory_capacity == 0))
         for a, b in zip(fixed.state.s, leap.state.s):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
@@ -100,7 +116,15 @@ def test_stacked_nudged_phases_equal_each_phase_run_alone(dt):
         relax.nudged_phases(free)
     alone = {}
     for beta in (cfg.beta_nudge, -cfg.beta_nudge):
-        ws = Workspace.allocate(cfg.batch_size, m.state_sizes(), free.cand.coords.shape[0], 30, [beta], m.readout.protos, relax.integ.fixed_point)
+        ws = Workspace.allocate(
+            cfg.batch_size,
+            m.state_sizes(),
+            free.cand.coords.shape[0],
+            30,
+            [beta],
+            m.readout.protos,
+            relax.integ.fixed_point,
+        )
         ws.drive.copy_(relax.ws.drive)
         ws.target_mask.copy_(relax.ws.target_mask)
         ws.state.copy_(relax.s0)
@@ -134,7 +158,10 @@ def test_a_window_allocates_nothing_after_warm_up(memory_capacity, dt):
     cfg, m, relax, free, _ = primed(memory_capacity, dt=dt, hidden_sizes=[8, 6])
     with torch.no_grad():
         relax.nudged_phases(free)  # warm-up
-    known = {t.untyped_storage().data_ptr() for t in step_tensors([relax.ws, relax.ws_nudged, m.energy, free.frame, free.fold])}
+    known = {
+        t.untyped_storage().data_ptr()
+        for t in step_tensors([relax.ws, relax.ws_nudged, m.energy, free.frame, free.fold])
+    }
     for ws, nudged, steps in ((relax.ws, False, cfg.free_steps), (relax.ws_nudged, True, cfg.nudge_steps)):
         with torch.no_grad(), NewStorage(known) as spy:
             relax.run(ws, free, 0, steps, nudged)
@@ -195,6 +222,8 @@ def test_config_stability_bound_is_the_integrators():
         ws.state.zero_()
         ws.drive.copy_(m.energy.biases[0].expand_as(ws.drive))
         ws.state.s[-1].copy_(rest + 1.0)
-        leapfrog_steps(PhaseRun(ws, m.energy, free.frame, free.fold, Integrator(dt, 0.5, 1.0), 0, 60, False, relax.one_hot))
+        leapfrog_steps(
+            PhaseRun(ws, m.energy, free.frame, free.fold, Integrator(dt, 0.5, 1.0), 0, 60, False, relax.one_hot)
+        )
         distance[dt] = float((ws.state.s[-1] - rest).abs().max())
     assert distance[1.5] < 1e-3 and distance[1.6] > 1e3, distance

@@ -5,14 +5,26 @@ from __future__ import annotations
 import torch
 
 from trainer2.config import TrainConfig
-from trainer2.machine import Machine, build_machine
+from trainer2.physics.machine import Machine, build_machine
 
 
 def tiny_config(**overrides) -> TrainConfig:
-    base = dict(dtype="float64", hidden_sizes=[12], coord_dim_n=4, rotor_k=5, context_len=3, embed_dim=3,
-                batch_size=5, free_steps=200, nudge_steps=200, beta_nudge=1e-3,
-                # a gentle readout (R_sc 1, spread prototypes), so the beta-scaling tests can use large beta
-                r_init=1.0, proto_init_scale=1.0, spectral_cap=0.5)
+    base = dict(
+        dtype="float64",
+        hidden_sizes=[12],
+        coord_dim_n=4,
+        rotor_k=5,
+        context_len=3,
+        embed_dim=3,
+        batch_size=5,
+        free_steps=200,
+        nudge_steps=200,
+        beta_nudge=1e-3,
+        # a gentle readout (R_sc 1, spread prototypes), so the beta-scaling tests can use large beta
+        r_init=1.0,
+        proto_init_scale=1.0,
+        spectral_cap=0.5,
+    )
     base.update(overrides)
     return TrainConfig(**base)
 

@@ -9,8 +9,8 @@ SIGINT / SIGTERM after saving a checkpoint (the last line printed says how to re
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import shlex
 import signal
 import sys
@@ -19,17 +19,17 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer2.checkpoint import CheckpointError, read_meta
 from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
-from trainer2.data import DataError
-from trainer2.distributed import DistributedError, init_distributed, rank_label
 from trainer2.flags import add_config_flags, config_layers, none_or
-from trainer2.health import Diverged
-from trainer2.interrupt import exit_code
-from trainer2.plot import cmd_plot
-from trainer2.resume import fresh_layers, fresh_run_guard, resume_config, resume_layers, resume_target
-from trainer2.rundir import RunDirError, RunLock, remove_orphans
-from trainer2.tracking import check_tracking
+from trainer2.io.data import DataError
+from trainer2.io.plot import cmd_plot
+from trainer2.io.tensorboard import check_tracking
+from trainer2.running.checkpoint import CheckpointError, read_meta
+from trainer2.running.distributed import DistributedError, init_distributed, rank_label
+from trainer2.running.health import Diverged
+from trainer2.running.resume import fresh_layers, fresh_run_guard, resume_config, resume_layers, resume_target
+from trainer2.running.rundir import RunDirError, RunLock, remove_orphans
+from trainer2.running.signals import exit_code
 
 EXIT_REFUSED, EXIT_DIVERGED, EXIT_IOERR = 2, 3, 74  # 74: EX_IOERR of sysexits.h
 
@@ -42,13 +42,23 @@ def train_parser() -> argparse.ArgumentParser:
         epilog="Layers, lowest first: field defaults < --preset < --config < flags. "
         "Other commands: trainer2 evaluate|sample|bench|plot --help",
     )
-    p.add_argument("--preset", help="Preset name (dev, production, deep, profiling; shipped in the package) or a YAML path.")
+    p.add_argument(
+        "--preset", help="Preset name (dev, production, deep, profiling; shipped in the package) or a YAML path."
+    )
     p.add_argument("--config", help="YAML file of config fields, applied over the preset.")
-    p.add_argument("--resume", metavar="latest|PATH", help="Continue from a run's newest checkpoint ('latest': of --run_name, "
-                   "or of the run saved most recently) or a step_<N>/ directory, in its own run unless --run_name says "
-                   "otherwise; its config is the lowest layer, and model/data fields must match it.")
-    p.add_argument("--print_config", action="store_true", help="Print the resolved config as YAML, each non-default "
-                   "value commented with the layer it came from, and exit without loading data or touching checkpoints.")
+    p.add_argument(
+        "--resume",
+        metavar="latest|PATH",
+        help="Continue from a run's newest checkpoint ('latest': of --run_name, "
+        "or of the run saved most recently) or a step_<N>/ directory, in its own run unless --run_name says "
+        "otherwise; its config is the lowest layer, and model/data fields must match it.",
+    )
+    p.add_argument(
+        "--print_config",
+        action="store_true",
+        help="Print the resolved config as YAML, each non-default "
+        "value commented with the layer it came from, and exit without loading data or touching checkpoints.",
+    )
     add_config_flags(p)
     return p
 
@@ -71,7 +81,7 @@ def cmd_train(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
     if args.print_config:
         return print_config(args)
-    from trainer2.trainer import Trainer
+    from trainer2.running.trainer import Trainer
 
     layers = config_layers(args)
     if args.resume:
@@ -102,8 +112,11 @@ def cmd_train(argv: list[str]) -> int:
     if not dist.is_main:
         return 0
     if summary["interrupted"]:
-        print(f"trainer2: stopped by {summary['interrupted']} after window {summary['windows']}; resume with: "
-              f"{resume_command(cfg)}", file=sys.stderr)
+        print(
+            f"trainer2: stopped by {summary['interrupted']} after window {summary['windows']}; resume with: "
+            f"{resume_command(cfg)}",
+            file=sys.stderr,
+        )
         return exit_code(signal.Signals[summary["interrupted"]])
     print(done_line(summary))
     return 0
@@ -116,12 +129,15 @@ def quiet(msg: str) -> None:
 
 def done_line(summary: dict) -> str:
     """The one-line result of a finished run; a non-finite figure (null in summary.json) says so."""
+
     def fmt(key: str) -> str:
         return "non-finite" if summary.get(key) is None else f"{summary[key]:.3f}"
 
     score = f"bpc {fmt('heldout_bpc')}" if "heldout_bpc" in summary else f"loss {fmt('heldout_loss')} nats/example"
-    return (f"done: {summary['windows']} windows, {summary['examples_seen']} examples in {summary['wall_seconds']:.1f}s "
-            f"({summary['windows_per_second']:.2f} win/s); held-out {score}, acc {fmt('heldout_acc')}")
+    return (
+        f"done: {summary['windows']} windows, {summary['examples_seen']} examples in {summary['wall_seconds']:.1f}s "
+        f"({summary['windows_per_second']:.2f} win/s); held-out {score}, acc {fmt('heldout_acc')}"
+    )
 
 
 def resume_command(cfg: TrainConfig) -> str:
@@ -142,26 +158,33 @@ def resume_command(cfg: TrainConfig) -> str:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    from trainer2.bench import main as bench_main
+    from trainer2.running.bench import main as bench_main
 
     return bench_main(argv)
 
 
 def cmd_sample(argv: list[str]) -> int:
-    from trainer2.sampling import cmd_sample as run
+    from trainer2.running.sampling import cmd_sample as run
 
     return run(argv)
 
 
 def cmd_evaluate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="trainer2 evaluate", allow_abbrev=False, description="Print the held-out metrics of a checkpoint as JSON.")
+    p = argparse.ArgumentParser(
+        prog="trainer2 evaluate", allow_abbrev=False, description="Print the held-out metrics of a checkpoint as JSON."
+    )
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="A step_<N>/ checkpoint directory.")
     p.add_argument("--device", default=argparse.SUPPRESS, help="Device to evaluate on (default: the checkpoint's).")
-    p.add_argument("--eval_batches", type=none_or(int), default=argparse.SUPPRESS, metavar="N",
-                   help="Held-out batches of 512 to score; none = all (default: the checkpoint's).")
+    p.add_argument(
+        "--eval_batches",
+        type=none_or(int),
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help="Held-out batches of 512 to score; none = all (default: the checkpoint's).",
+    )
     args = vars(p.parse_args(argv))
     path = Path(args.pop("checkpoint"))
-    from trainer2.evaluation import load_trained
+    from trainer2.running.evaluation import load_trained
 
     trained = load_trained(path, args)
     out = {"checkpoint": str(path), "window": trained.window, **trained.evaluate()}
@@ -169,11 +192,23 @@ def cmd_evaluate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate, "plot": cmd_plot, "sample": cmd_sample, "bench": cmd_bench}
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": cmd_train,
+    "evaluate": cmd_evaluate,
+    "plot": cmd_plot,
+    "sample": cmd_sample,
+    "bench": cmd_bench,
+}
 
 
-def show_note(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
-              line: str | None = None) -> None:
+def show_note(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
     """How the command line shows a warning (such as a renamed config key): `trainer2: note: ...` on stderr."""
     print(f"trainer2: note: {message}", file=sys.stderr)
 
@@ -194,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer2: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # disk full, read-only, quota: the file and the cause, no traceback
-        print(f"trainer2: error: {e.filename}: {e.strerror}" if e.filename else f"trainer2: error: {e}", file=sys.stderr)
+        print(
+            f"trainer2: error: {e.filename}: {e.strerror}" if e.filename else f"trainer2: error: {e}", file=sys.stderr
+        )
         return EXIT_IOERR
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops gracefully): nothing half-written
         print("trainer2: interrupted", file=sys.stderr)

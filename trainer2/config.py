@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from trainer2.couplings import KINDS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trainer2.physics.couplings import KINDS
 
 MAX_YAML_BYTES = 1 << 20  # a config is a few hundred bytes; the cap bounds what a hostile file can cost
 MAX_REPR = 200  # characters of an offending value an error message shows
@@ -46,13 +47,15 @@ class _ConfigLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
-            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a config file",
-                                              self.peek_event().start_mark)
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed in a config file", self.peek_event().start_mark
+            )
         return super().compose_node(parent, index)
 
 
 _ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 class TrainConfig(BaseModel):
@@ -63,14 +66,27 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
     # --- run ---
-    run_name: str = Field("run", description="Name of the run; outputs go to <checkpoint_dir>/<run_name>/. On the command "
-                          "line, a run started without one gets a fresh name <preset>-<N> (or run-<N>).")
-    seed: int = Field(0, ge=-(2**63), lt=2**64, description="Seed for initialisation and the data sampler (what torch.manual_seed takes).")
+    run_name: str = Field(
+        "run",
+        description="Name of the run; outputs go to <checkpoint_dir>/<run_name>/. On the command "
+        "line, a run started without one gets a fresh name <preset>-<N> (or run-<N>).",
+    )
+    seed: int = Field(
+        0,
+        ge=-(2**63),
+        lt=2**64,
+        description="Seed for initialisation and the data sampler (what torch.manual_seed takes).",
+    )
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     dtype: Literal["float32", "float64"] = Field("float32", description="Floating-point type of every tensor.")
-    cpu_threads: int = Field(1, ge=0, le=1024, description="Threads for CPU math per process (torch.set_num_threads); 0 = torch's "
-                             "default (OMP_NUM_THREADS, else every core). 1 by default: the matrices are small, so a second "
-                             "thread gains little on an idle machine and stalls the run when another process is busy.")
+    cpu_threads: int = Field(
+        1,
+        ge=0,
+        le=1024,
+        description="Threads for CPU math per process (torch.set_num_threads); 0 = torch's "
+        "default (OMP_NUM_THREADS, else every core). 1 by default: the matrices are small, so a second "
+        "thread gains little on an idle machine and stalls the run when another process is busy.",
+    )
     checkpoint_dir: str = Field("checkpoints", description="Directory holding one folder per run.")
 
     # --- data ---
@@ -81,12 +97,17 @@ class TrainConfig(BaseModel):
 
     # --- machine ---
     layers: list[dict[str, Any]] = Field(
-        [{"dense": 256}], min_length=1, description="The hidden layers h_1..h_M, lowest first, each {kind: spec} with the "
+        [{"dense": 256}],
+        min_length=1,
+        description="The hidden layers h_1..h_M, lowest first, each {kind: spec} with the "
         "kind of coupling that drives it from below: [{dense: 256}] is one dense layer of 256 units (on the command "
-        "line: --layers dense:256). --hidden_sizes 256 128 is shorthand for dense layers of those sizes.")
+        "line: --layers dense:256). --hidden_sizes 256 128 is shorthand for dense layers of those sizes.",
+    )
     coord_dim_n: int = Field(16, ge=2, description="Dimension n of the output coordinates q.")
     rotor_k: int = Field(32, ge=0, description="Number of Givens rotations in the readout's rotor frame.")
-    retrieval_beta: float = Field(1.0, gt=0.0, description="Inverse temperature of retrieval: p = softmax(-beta * cost).")
+    retrieval_beta: float = Field(
+        1.0, gt=0.0, description="Inverse temperature of retrieval: p = softmax(-beta * cost)."
+    )
     eps: float = Field(1e-6, gt=0.0, description="Added under the square root of the quadratic form spd.")
     g_min: float = Field(0.05, gt=0.0, description="Lower clamp of the metric diagonal g_diag.")
     g_max: float = Field(20.0, gt=0.0, description="Upper clamp of the metric diagonal g_diag.")
@@ -94,62 +115,104 @@ class TrainConfig(BaseModel):
     r_min: float = Field(0.05, gt=0.0, description="Lower clamp of the resistance R_sc.")
     out_init_scale: float = Field(0.5, gt=0.0, description="W_out starts at this multiple of the 1/sqrt(fan_in) scale.")
     proto_init_scale: float = Field(0.1, gt=0.0, description="Standard deviation of the initial prototypes.")
-    spectral_cap: float = Field(0.7, gt=0.0, lt=1.0, description="Cap kappa on the couplings' part of E's Hessian, so its smallest "
-                                "curvature is >= 1 - kappa at any depth: each coupling between state layers is capped at kappa / (2 cos(pi/(M+2))) "
-                                "for M hidden layers (kappa itself for one).")
+    spectral_cap: float = Field(
+        0.7,
+        gt=0.0,
+        lt=1.0,
+        description="Cap kappa on the couplings' part of E's Hessian, so its smallest "
+        "curvature is >= 1 - kappa at any depth: each coupling between state layers is capped at kappa / (2 cos(pi/(M+2))) "
+        "for M hidden layers (kappa itself for one).",
+    )
     memory_capacity: int = Field(0, ge=0, description="Slots of the memory bank of recent equilibria; 0 = off.")
 
     # --- dynamics ---
-    free_steps: int = Field(64, ge=1, description="Free-phase relaxation steps per window (formerly tbptt_window_steps).")
+    free_steps: int = Field(
+        64, ge=1, description="Free-phase relaxation steps per window (formerly tbptt_window_steps)."
+    )
     nudge_steps: int = Field(16, ge=1, description="Steps of each nudged phase.")
     beta_nudge: float = Field(0.003, gt=0.0, description="Nudging strength beta.")
-    symmetric_nudge: bool = Field(True, description="Nudge with +beta and -beta (bias O(beta^2)) instead of +beta only.")
+    symmetric_nudge: bool = Field(
+        True, description="Nudge with +beta and -beta (bias O(beta^2)) instead of +beta only."
+    )
     dt: float = Field(1.0, gt=0.0, description="Integrator step size.")
     gamma: float = Field(1.0, ge=0.0, description="Damping; 0 = energy-conserving Stormer-Verlet (diagnostics only).")
     mass: float = Field(1.0, gt=0.0, description="Mass of every state coordinate.")
 
     # --- update ---
-    eta_update: float = Field(0.003, gt=0.0, description="Base learning rate (energy couplings; other groups scale it).")
+    eta_update: float = Field(
+        0.003, gt=0.0, description="Base learning rate (energy couplings; other groups scale it)."
+    )
     eta_readout_scale: float = Field(1.0, gt=0.0, description="Readout learning rate as a multiple of eta_update.")
     eta_embed_scale: float = Field(1.0, gt=0.0, description="Embedding learning rate as a multiple of eta_update.")
-    update_rule: Literal["momentum", "adam"] = Field("adam", description="Hand-written update: heavy-ball momentum or Adam.")
+    update_rule: Literal["momentum", "adam"] = Field(
+        "adam", description="Hand-written update: heavy-ball momentum or Adam."
+    )
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Heavy-ball momentum, or Adam's beta1.")
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam's second-moment decay.")
     adam_eps: float = Field(1e-8, gt=0.0, description="Adam's denominator epsilon.")
     weight_decay: float = Field(0.0, ge=0.0, description="L2 weight decay on the energy couplings.")
     lr_warmup_windows: int = Field(0, ge=0, description="Windows of linear learning-rate warm-up.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate decay after warm-up.")
-    lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of the peak (cosine).")
+    lr_min_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of the peak (cosine)."
+    )
 
     # --- batching and speed ---
-    batch_size: int = Field(64, ge=1, description="Examples per window and process (under torchrun the global batch is batch_size x world size); follows capture_batch_size when only that is given.")
-    static_shapes: bool = Field(False, description="Keep every tensor's shape fixed for the whole run (needed for graphs).")
-    capture_batch_size: int | None = Field(None, ge=1, description="Batch size the CUDA graph is captured at; must equal batch_size.")
+    batch_size: int = Field(
+        64,
+        ge=1,
+        description="Examples per window and process (under torchrun the global batch is batch_size x world size); follows capture_batch_size when only that is given.",
+    )
+    static_shapes: bool = Field(
+        False, description="Keep every tensor's shape fixed for the whole run (needed for graphs)."
+    )
+    capture_batch_size: int | None = Field(
+        None, ge=1, description="Batch size the CUDA graph is captured at; must equal batch_size."
+    )
     use_cudagraphs: bool = Field(False, description="Capture the batch step as a CUDA graph and replay it (CUDA only).")
     warmup_steps: int = Field(3, ge=0, description="Eager windows on a side stream before graph capture.")
     use_torch_compile: bool = Field(False, description="Compile the batch step with torch.compile.")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
-        "default", description="torch.compile mode; 'reduce-overhead' lets torch.compile record CUDA graphs itself "
-        "instead of the runner capturing the compiled step.")
+        "default",
+        description="torch.compile mode; 'reduce-overhead' lets torch.compile record CUDA graphs itself "
+        "instead of the runner capturing the compiled step.",
+    )
     cudnn_benchmark: bool = Field(False, description="Set torch.backends.cudnn.benchmark.")
     cudnn_deterministic: bool = Field(False, description="Set torch.backends.cudnn.deterministic.")
     allow_tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere and newer GPUs.")
 
     # --- loop, logging, evaluation, checkpoints ---
     max_windows: int | None = Field(2000, ge=1, description="Stop after this many windows (batches); none = no limit.")
-    max_epochs: float | None = Field(None, gt=0.0, description="Stop after this many passes over the training data; none = no limit.")
+    max_epochs: float | None = Field(
+        None, gt=0.0, description="Stop after this many passes over the training data; none = no limit."
+    )
     log_every_windows: int = Field(50, ge=1, description="Windows between metric syncs (progress bar and telemetry).")
     eval_every_windows: int = Field(500, ge=0, description="Windows between held-out evaluations; 0 = only at the end.")
-    eval_batches: int | None = Field(None, ge=1, description="Held-out batches per evaluation; none = the whole held-out split.")
+    eval_batches: int | None = Field(
+        None, ge=1, description="Held-out batches per evaluation; none = the whole held-out split."
+    )
     save_every_windows: int = Field(0, ge=0, description="Windows between checkpoints; 0 = only at the end.")
     keep_last: int = Field(3, ge=1, description="Checkpoints kept per run; older ones are pruned.")
-    step_progress_every: int = Field(0, ge=0, description="Report progress inside a window every K steps (eager only); 0 = off.")
+    step_progress_every: int = Field(
+        0, ge=0, description="Report progress inside a window every K steps (eager only); 0 = off."
+    )
     timing_debug: bool = Field(False, description="Time each phase of every window and print a table.")
-    profile_windows: int = Field(0, ge=0, description="torch.profiler trace of this many windows after warm-up, into the run directory; 0 = off.")
-    tensorboard: bool = Field(False, description="Also write every telemetry value to <run_dir>/tb/ for TensorBoard, the window as the step (needs the tensorboard extra).")
+    profile_windows: int = Field(
+        0, ge=0, description="torch.profiler trace of this many windows after warm-up, into the run directory; 0 = off."
+    )
+    tensorboard: bool = Field(
+        False,
+        description="Also write every telemetry value to <run_dir>/tb/ for TensorBoard, the window as the step (needs the tensorboard extra).",
+    )
     cleanup_every: int = Field(50, ge=1, description="Windows between checks of the CUDA cache (CUDA only).")
-    cleanup_threshold: float = Field(0.9, gt=0.0, le=1.0, description="Empty the CUDA cache when allocated/reserved memory exceeds this ratio.")
-    dist_timeout_seconds: float = Field(120.0, gt=0.0, description="Under torchrun: a collective that waits longer than this for another process fails the run.")
+    cleanup_threshold: float = Field(
+        0.9, gt=0.0, le=1.0, description="Empty the CUDA cache when allocated/reserved memory exceeds this ratio."
+    )
+    dist_timeout_seconds: float = Field(
+        120.0,
+        gt=0.0,
+        description="Under torchrun: a collective that waits longer than this for another process fails the run.",
+    )
 
     @field_validator("device")
     @classmethod
@@ -168,9 +231,11 @@ class TrainConfig(BaseModel):
     def _layers(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for i, entry in enumerate(v):
             if len(entry) != 1 or next(iter(entry)) not in KINDS:
-                raise ValueError(f"layer {i}: expected one {{kind: spec}} entry with a kind in {sorted(KINDS)}, "
-                                 f"got {short_repr(entry)}")
-            (kind, spec), = entry.items()
+                raise ValueError(
+                    f"layer {i}: expected one {{kind: spec}} entry with a kind in {sorted(KINDS)}, "
+                    f"got {short_repr(entry)}"
+                )
+            ((kind, spec),) = entry.items()
             try:
                 KINDS[kind].spec_size(spec)
             except ValueError as e:
@@ -217,7 +282,8 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"dt^2/mass + 2*gamma*dt = {stiffness:g} must be below 4 (dt {self.dt:g}, gamma {self.gamma:g}, "
                 f"mass {self.mass:g}): beyond it the leapfrog step is unstable on the energy's unit stiffness and the "
-                "free phase can never settle; lower dt or gamma, or raise mass (dt = gamma = mass = 1 is the default)")
+                "free phase can never settle; lower dt or gamma, or raise mass (dt = gamma = mass = 1 is the default)"
+            )
         for group, scale in (("energy", 1.0), ("readout", self.eta_readout_scale), ("embed", self.eta_embed_scale)):
             lr = self.eta_update * scale
             if lr > MAX_LR:
@@ -225,7 +291,8 @@ class TrainConfig(BaseModel):
                 raise ValueError(
                     f"the {group} learning rate {what} = {lr:g} must be at most {MAX_LR:g}: an Adam step moves every "
                     "parameter by about the learning rate, and the couplings live below spectral_cap < 1, so a larger "
-                    "rate wrecks the model in one update (useful rates are around 1e-3 to 1e-2)")
+                    "rate wrecks the model in one update (useful rates are around 1e-3 to 1e-2)"
+                )
 
 
 # Names a config may still use, and what they became: tbptt_window_steps was renamed (a note says so);
@@ -247,7 +314,11 @@ def upgrade_legacy(values: dict[str, Any]) -> dict[str, Any]:
         if "layers" in out:
             raise ValueError("hidden_sizes is a shorthand for layers: give one of them")
         sizes = out.pop("hidden_sizes")
-        if not isinstance(sizes, list) or not sizes or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
+        if (
+            not isinstance(sizes, list)
+            or not sizes
+            or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes)
+        ):
             raise ValueError(f"hidden_sizes: expected a non-empty list of integers >= 1, got {short_repr(sizes)}")
         out["layers"] = [{"dense": h} for h in sizes]
     return out
@@ -278,7 +349,11 @@ def preset_dir() -> Path | Traversable:
 def preset_names() -> list[str]:
     """The names --preset accepts (dev, production, profiling, ...)."""
     found = preset_dir()
-    return sorted(p.name.removesuffix(".yaml") for p in found.iterdir() if p.name.endswith(".yaml")) if found.is_dir() else []
+    return (
+        sorted(p.name.removesuffix(".yaml") for p in found.iterdir() if p.name.endswith(".yaml"))
+        if found.is_dir()
+        else []
+    )
 
 
 def preset_path(name: str) -> Path | Traversable:
@@ -288,8 +363,10 @@ def preset_path(name: str) -> Path | Traversable:
         return path
     found = preset_dir() / f"{name}.yaml"
     if not found.is_file():
-        raise ConfigError(f"unknown preset {short_repr(name)}: expected one of {preset_names()} or a path to a YAML file "
-                          f"(presets in {preset_dir()})")
+        raise ConfigError(
+            f"unknown preset {short_repr(name)}: expected one of {preset_names()} or a path to a YAML file "
+            f"(presets in {preset_dir()})"
+        )
     return found
 
 
@@ -301,7 +378,9 @@ def read_yaml(path: Path | Traversable) -> dict[str, Any]:
         if isinstance(path, Path):
             size = path.stat().st_size
             if size > MAX_YAML_BYTES:
-                raise ConfigError(f"config file {path} is {size} bytes; a config file may be at most {MAX_YAML_BYTES} bytes")
+                raise ConfigError(
+                    f"config file {path} is {size} bytes; a config file may be at most {MAX_YAML_BYTES} bytes"
+                )
             with open(path, encoding="utf-8") as f:  # a stream, so YAML errors name the file
                 data = yaml.load(f, Loader=_ConfigLoader)
         else:  # a preset shipped inside the package, not on a plain file system
@@ -311,7 +390,9 @@ def read_yaml(path: Path | Traversable) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None  # PyYAML cuts its snippets at 75 characters
+        raise ConfigError(
+            f"config file {path} is not valid YAML: {e}"
+        ) from None  # PyYAML cuts its snippets at 75 characters
     except RecursionError:
         raise ConfigError(f"config file {path} is nested too deeply; expected a flat mapping of field: value") from None
     data = {} if data is None else data
@@ -319,8 +400,10 @@ def read_yaml(path: Path | Traversable) -> dict[str, Any]:
         raise ConfigError(f"config file {path} must hold a mapping of field: value, got {type(data).__name__}")
     unknown = sorted(set(data) - accepted_keys(), key=str)
     if unknown:
-        raise ConfigError(f"config file {path}: unknown key(s) {short_repr(unknown)}; every key must be a TrainConfig field "
-                          "(see --help)")
+        raise ConfigError(
+            f"config file {path}: unknown key(s) {short_repr(unknown)}; every key must be a TrainConfig field "
+            "(see --help)"
+        )
     return data
 
 
@@ -338,8 +421,11 @@ def merge_layers(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, An
     for source, layer in layers:
         for old in sorted(set(RENAMED) & set(layer)):
             if not source.startswith("checkpoint"):  # a user's file or flag, not a checkpoint written before the rename
-                warnings.warn(f"{old} is now called {RENAMED[old]} ({source}); the old name still works", FutureWarning,
-                              stacklevel=2)
+                warnings.warn(
+                    f"{old} is now called {RENAMED[old]} ({source}); the old name still works",
+                    FutureWarning,
+                    stacklevel=2,
+                )
         try:
             layer = upgrade_legacy(layer)
         except ValueError as e:
@@ -367,7 +453,10 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> TrainConfig:
             top = str(err["loc"][0]) if err["loc"] else field
             where = f" (from {origin[top]})" if top in origin else ""
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{field}{where}: {msg}" + (f" (got {short_repr(err['input'])})" if field != "config" and "input" in err else ""))
+            lines.append(
+                f"{field}{where}: {msg}"
+                + (f" (got {short_repr(err['input'])})" if field != "config" and "input" in err else "")
+            )
         if e.error_count() > MAX_ERRORS:
             lines.append(f"... and {e.error_count() - MAX_ERRORS} more")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
@@ -381,10 +470,14 @@ def annotated_yaml(cfg: TrainConfig, origins: dict[str, str]) -> str:
     """The resolved config as YAML, one field a line; a value that is not its field's default carries a comment
     naming the layer it came from (`# preset PATH`, `# config FILE`, `# command line`)."""
     values = cfg.model_dump(mode="json")
-    lines = ["# resolved config; layers, lowest first: field defaults < --preset < --config < flags",
-             "# a comment names the layer each non-default value came from"]
+    lines = [
+        "# resolved config; layers, lowest first: field defaults < --preset < --config < flags",
+        "# a comment names the layer each non-default value came from",
+    ]
     for name, field in TrainConfig.model_fields.items():
-        line = yaml.safe_dump({name: values[name]}, default_flow_style=True, width=2**16).strip()[1:-1]  # "{k: v}" -> "k: v"
+        line = yaml.safe_dump({name: values[name]}, default_flow_style=True, width=2**16).strip()[
+            1:-1
+        ]  # "{k: v}" -> "k: v"
         if values[name] != field.default:
             line += f"  # {origins.get(name, 'default')}"
         lines.append(line)

@@ -48,10 +48,21 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         else:
             kw.update(type=none_or(base) if optional else base, metavar=base.__name__.upper())
         group.add_argument(f"--{name}", **kw)
-    group.add_argument("--hidden_sizes", nargs="+", type=int, metavar="N", default=argparse.SUPPRESS,
-                       help="Shorthand for --layers dense:N ...: dense hidden layers of these sizes.")
-    group.add_argument("--tbptt_window_steps", type=int, metavar="INT", default=argparse.SUPPRESS,
-                       help="Old name of --free_steps (still accepted).")
+    group.add_argument(
+        "--hidden_sizes",
+        nargs="+",
+        type=int,
+        metavar="N",
+        default=argparse.SUPPRESS,
+        help="Shorthand for --layers dense:N ...: dense hidden layers of these sizes.",
+    )
+    group.add_argument(
+        "--tbptt_window_steps",
+        type=int,
+        metavar="INT",
+        default=argparse.SUPPRESS,
+        help="Old name of --free_steps (still accepted).",
+    )
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:

@@ -1,0 +1,67 @@
+"""The whole batch step, wired once: relaxation + gradient source + update + memory write.
+
+`build_step` is the one place these parts are put together; the Trainer calls it at set-up and the
+StepRunner runs the result eagerly, compiled, or as a replayed CUDA graph. Nothing swaps a part later:
+a different gradient source is passed in at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trainer2.config import TrainConfig
+from trainer2.learning.gradients import GradientSource, ep_gradients
+from trainer2.learning.params import ParamTable
+from trainer2.learning.update import Updater
+from trainer2.physics.machine import Machine
+from trainer2.physics.memory import MemoryBank
+from trainer2.physics.relaxation import Relaxation
+from trainer2.running.distributed import Distributed, GradReducer
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """`step(inputs, targets)`: free phase, nudged phase(s), update, constraints, memory write, metrics —
+    the unit a CUDA graph captures. Frozen: its parts are fixed once built."""
+
+    relax: Relaxation
+    gradients: GradientSource
+    updater: Updater
+    memory: MemoryBank | None
+    reducer: GradReducer | None = None  # under torchrun: averages the gathered gradient over the ranks
+
+    @property
+    def device(self) -> torch.device:
+        return self.relax.device
+
+    def step(self, inputs: Tensor, targets: Tensor) -> None:
+        out = self.gradients(self.relax, inputs, targets)
+        with self.relax.phase("update"):
+            self.updater.gather(out.grads)
+        if self.reducer is not None:
+            with self.relax.phase("allreduce"):  # includes waiting for the slowest rank
+                self.reducer()
+        with self.relax.phase("update"):
+            self.updater.apply(out, targets)
+            if self.memory is not None:
+                self.memory.write(self.relax.s0.s[-1], targets)
+
+
+def build_step(
+    machine: Machine,
+    cfg: TrainConfig,
+    batch: int,
+    memory: MemoryBank | None = None,
+    gradients: GradientSource = ep_gradients,
+    table: ParamTable | None = None,
+    dist: Distributed | None = None,
+) -> BatchStep:
+    """A batch step for `batch` examples over `machine`; EP gradients unless another source is given; under
+    torchrun (`dist.launched`) the gradients are averaged over the ranks before the update."""
+    table = ParamTable.build(machine, cfg) if table is None else table
+    updater = Updater(machine, cfg, table)
+    reducer = GradReducer(updater.grad, dist) if dist is not None and dist.launched else None
+    return BatchStep(Relaxation(machine, cfg, batch, memory), gradients, updater, memory, reducer)

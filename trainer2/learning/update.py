@@ -1,0 +1,194 @@
+"""The update half of a batch step: the hand-written update rule, the constraints, and the metric sums.
+
+`flat_update` steps every parameter at once over the flat parameter buffer (heavy-ball or Adam); the
+learning rate lives in a device tensor, so a schedule never breaks a captured graph. Metrics are
+accumulated by name on the device and read back in one transfer per log interval.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trainer2.config import TrainConfig
+from trainer2.learning.gradients import StepResult
+from trainer2.learning.params import GROUPS, ParamTable
+from trainer2.physics.machine import Machine, project_constraints
+
+
+@dataclass
+class UpdateState:
+    """Momentum buffer and Adam's second moments over the flat parameter buffer (P,), the applied-update count, the
+    learning rate (0-dim, on the device so a schedule never breaks a captured graph), the dropped-update count, and
+    the power-iteration vectors of the spectral caps."""
+
+    bufs: Tensor  # (P,)
+    sq: Tensor  # (P,) Adam's second moments; (0,) for heavy-ball
+    count: Tensor  # 0-dim, applied updates (Adam's bias correction)
+    lr: Tensor
+    dropped: Tensor
+    power_vecs: list[Tensor]
+
+    @staticmethod
+    def allocate(flat: Tensor, power_sizes: list[int], cfg: TrainConfig) -> "UpdateState":
+        def scalar(v: float) -> Tensor:
+            return torch.tensor(v, dtype=flat.dtype, device=flat.device)
+
+        ones = [torch.ones(h, dtype=flat.dtype, device=flat.device) for h in power_sizes]
+        return UpdateState(
+            bufs=torch.zeros_like(flat),
+            sq=torch.zeros_like(flat) if cfg.update_rule == "adam" else flat.new_zeros(0),
+            count=scalar(0.0),
+            lr=scalar(cfg.eta_update),
+            dropped=scalar(0.0),
+            power_vecs=[torch.nn.functional.normalize(u, dim=0) for u in ones],
+        )
+
+    def tensors(self, table: ParamTable) -> dict[str, Tensor]:
+        """The state by checkpoint key (the flat buffers seen per parameter)."""
+        out = {f"momentum.{n}": v for n, v in table.views(self.bufs).items()}
+        if self.sq.numel():
+            out.update({f"second_moment.{n}": v for n, v in table.views(self.sq).items()})
+        out.update({f"power.{i}": v for i, v in enumerate(self.power_vecs)})
+        out.update({"update.lr": self.lr, "update.dropped": self.dropped, "update.count": self.count})
+        return out
+
+
+def flat_update(
+    param: Tensor,
+    grad: Tensor,
+    st: UpdateState,
+    mult: Tensor | None,
+    decay: Tensor | None,
+    cfg: TrainConfig,
+    step: Tensor,
+) -> Tensor:
+    """One step of every parameter at once, over flat (P,) buffers: heavy-ball (buf = momentum * buf + grad,
+    p -= lr * mult * buf) or Adam (momentum as beta1, bias-corrected); grad includes decay * p; mult None is 1.
+
+    A non-finite gradient anywhere drops the whole update (buffers and parameters untouched) by a
+    device-side mask, counted in st.dropped; nothing syncs with the host. grad is used as scratch; step
+    receives the applied step. Returns the mask (0-dim, 1 = applied).
+    """
+    ok = torch.isfinite(grad.sum()).to(param.dtype)
+    if decay is not None:
+        grad.addcmul_(decay, param)
+    # All zeros when dropped (NaN and inf too), else unchanged but for entries that decay of a non-finite parameter made
+    # non-finite; two passes cost a third of masked_fill_ with a 0-dim mask
+    grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(ok)
+    mu = cfg.momentum
+    if cfg.update_rule == "momentum":
+        st.bufs.mul_(1.0 + ok * (mu - 1.0)).add_(grad)  # decay by momentum, or keep when dropped (grad is 0 then)
+        torch.mul(st.bufs, st.lr * ok, out=step)
+    else:
+        b2 = cfg.adam_beta2
+        st.count.add_(ok)
+        st.bufs.lerp_(grad, ok * (1.0 - mu))  # mu * buf + (1 - mu) * grad, or buf itself when dropped
+        st.sq.lerp_(torch.mul(grad, grad, out=step), ok * (1.0 - b2))  # the same for grad^2
+        t = st.count.clamp(min=1.0)
+        root_bc2 = torch.sqrt(1.0 - b2**t)
+        # lr * mult * (buf / bc1) / (sqrt(sq / bc2) + eps), with the bias corrections moved onto scalars
+        torch.sqrt(st.sq, out=step).add_(root_bc2 * cfg.adam_eps)
+        torch.div(st.bufs, step, out=step).mul_(st.lr * ok * root_bc2 / (1.0 - mu**t))
+    if mult is not None:
+        step.mul_(mult)
+    param.sub_(step)
+    st.dropped.add_(1.0 - ok)
+    return ok
+
+
+# Sums over a log interval; `MetricSums.read` turns them into the logged means.
+METRICS = (
+    "windows",
+    "examples",
+    "loss_sum",
+    "correct_sum",
+    "lior_mean",
+    "spd_mean",
+    "spd_last",
+    "lior_nudge",
+    "R_mean",
+    "dropped",
+    "update_norm_energy",
+    "update_norm_readout",
+    "update_norm_embed",
+    "nonfinite_params",
+)
+
+
+class MetricSums:
+    """Named per-window sums kept in one device tensor, so an interval's metrics come back in one transfer.
+    The slot order is private to this class: callers add and read by name."""
+
+    def __init__(self, like: Tensor) -> None:
+        self.values = torch.zeros(len(METRICS), dtype=like.dtype, device=like.device)
+
+    def add(self, named: dict[str, Tensor]) -> None:
+        """Add one window's 0-dim tensors; every metric name must be given (no host sync)."""
+        if named.keys() != set(METRICS):
+            raise KeyError(f"metrics {sorted(named)} do not match {sorted(METRICS)}")
+        self.values.add_(torch.stack([named[k] for k in METRICS]))
+
+    def read(self, *extra: Tensor) -> tuple[dict[str, float], list[float]]:
+        """(sums by name, values of the 0-dim `extra` tensors) in one device-to-host transfer; then reset."""
+        flat = torch.cat([self.values, *(t.reshape(1).to(self.values.dtype) for t in extra)]).tolist()
+        self.values.zero_()
+        return dict(zip(METRICS, flat[: len(METRICS)], strict=True)), flat[len(METRICS) :]
+
+
+class Updater:
+    """Update state, constraints and metric sums for one machine; `gather` then `apply` is the update half of a batch
+    step. The flat gradient buffer `grad` is where a gradient all-reduce (under torchrun) works in place."""
+
+    def __init__(self, machine: Machine, cfg: TrainConfig, table: ParamTable) -> None:
+        self.m, self.cfg, self.table = machine, cfg, table
+        self.state = UpdateState.allocate(table.flat, [c.power_size for c in machine.energy.between_states], cfg)
+        self.metrics = MetricSums(table.flat)
+        self.grad, self.step = torch.zeros_like(table.flat), torch.zeros_like(table.flat)
+        self.step_parts = {g: self.step[table.spans[g]] for g in GROUPS if g in table.spans}  # views, made once
+        self.counts: dict[int, Tensor] = {}  # 0-dim constants for the per-window counts, by value
+
+    def gather(self, grads: dict[str, Tensor]) -> Tensor:
+        """Copy the named gradients into the flat buffer (one copy); returns it."""
+        return torch.cat([g.reshape(-1) for g in self.table.ordered(grads)], out=self.grad)
+
+    def apply(self, out: StepResult, targets: Tensor) -> None:
+        """Update every parameter from the gathered gradient, project the constraints, add the window's metrics."""
+        t = self.table
+        ok = flat_update(t.flat, self.grad, self.state, t.mult, t.decay_flat, self.cfg, self.step)
+        project_constraints(self.m, self.cfg, self.state.power_vecs)
+        st = out.stats
+        self.metrics.add(
+            {
+                "windows": self.count(1),
+                "examples": self.count(targets.shape[0]),
+                "loss_sum": out.loss.sum(),
+                "correct_sum": (out.probs.argmax(1) == targets).sum(dtype=t.flat.dtype),
+                "lior_mean": st.lior_mean,
+                "spd_mean": st.spd_mean,
+                "spd_last": st.spd_last,
+                "lior_nudge": st.lior_nudge,
+                "R_mean": st.R_mean,
+                "dropped": 1.0 - ok,
+                **{
+                    f"update_norm_{g}": self.step_parts[g].norm() if g in self.step_parts else self.count(0)
+                    for g in GROUPS
+                },
+                # 1 when a parameter is not finite after this update: NaN and inf carry through the sum (so does a sum
+                # past the float range, ~1e38: such a parameter has blown up anyway), and sum * 0 is NaN exactly then
+                "nonfinite_params": t.flat.sum().mul_(0.0).nan_to_num_(nan=1.0),
+            }
+        )
+
+    def count(self, value: int) -> Tensor:
+        """A 0-dim constant on the device, made on first use (before any graph capture) and then reused; made inside the
+        step, it is an inference tensor, which is fine because nothing ever writes to it."""
+        if value not in self.counts:
+            self.counts[value] = torch.tensor(float(value), dtype=self.table.flat.dtype, device=self.table.flat.device)
+        return self.counts[value]
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Update state and metric sums by checkpoint key."""
+        return {**self.state.tensors(self.table), "metrics": self.metrics.values}

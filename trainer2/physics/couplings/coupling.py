@@ -1,0 +1,71 @@
+"""What every coupling of the energy provides: the interface the window, the machine and the learning rule use.
+
+A coupling joins the layer below it (the clamped input, or a state layer) to the layer above and adds one term
+to the energy. It owns its parameters (by name), its share of each neighbour's drive, its term of the energy,
+its EP gradient and its stability constraint. Layers are (R, size) row blocks whose `shape` a coupling may
+view differently (a (C, H, W) image layer is (R, C*H*W) in the workspace). Every method that writes takes an
+`out`, so a window allocates nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor
+
+
+class Coupling(Protocol):
+    """One interaction of the energy: E_c(below, above), with analytic derivatives in both layers."""
+
+    name: str  # its parameters are named <P>_<name> (W_1, b_1, ..., W_out, b_out)
+    below_shape: tuple[int, ...]
+    above_shape: tuple[int, ...]
+
+    def parameters(self) -> dict[str, Tensor]:
+        """Its learned tensors by name, in the one parameter order."""
+
+    def decayed(self) -> frozenset[str]:
+        """The names of its parameters that weight decay applies to."""
+
+    def rebind(self, named: dict[str, Tensor]) -> "Coupling":
+        """The same coupling over other tensors (views of the machine's flat buffer), taken by name."""
+
+    def up(self, below: Tensor, out: Tensor) -> Tensor:
+        """out (R, above) = -dE_c/d above, the pull of `below` (R, below) on the layer above (bias included)."""
+
+    def add_up(self, below: Tensor, out: Tensor) -> Tensor:
+        """out += the pull of `below` on the layer above, without the bias (the bias is folded elsewhere)."""
+
+    def down(self, above: Tensor, base: Tensor, out: Tensor) -> Tensor:
+        """out (R, below) = base + -dE_c/d below, the pull of `above` on the layer below."""
+
+    def add_down(self, above: Tensor, out: Tensor) -> Tensor:
+        """out += the pull of `above` (R, above) on the layer below."""
+
+    @property
+    def bias(self) -> Tensor:
+        """(above,) the constant part of its pull on the layer above."""
+
+    def energy(self, below: Tensor, above: Tensor) -> Tensor:
+        """E_c per example (R,); for tests and diagnostics, not the hot loop."""
+
+    def ep_grads(self, plus: tuple[Tensor, Tensor], minus: tuple[Tensor, Tensor], scale: float) -> dict[str, Tensor]:
+        """The EP statistic scale * (dE_c/dtheta(s+) - dE_c/dtheta(s-)), summed over rows, per parameter name; plus and
+        minus are (below, above) of the two nudged equilibria."""
+
+    def ep_grads_clamped(
+        self, x: Tensor, plus: Tensor, minus: Tensor, scale: float
+    ) -> tuple[dict[str, Tensor], Tensor]:
+        """As ep_grads for a coupling whose layer below is the clamped input x (the same in both phases), and the
+        per-example gradient with respect to x (R, below)."""
+
+    @property
+    def power_size(self) -> int:
+        """Length of the persistent vector of its spectral cap's power iteration."""
+
+    def cap_exact(self, cap: float) -> None:
+        """Scale the coupling so its operator norm is at most `cap` (exact; at build, once)."""
+
+    def cap_power(self, cap: Tensor | float, u: Tensor) -> None:
+        """Scale the coupling so its operator norm, estimated by two power-iteration steps from u, is at most cap;
+        u is updated in place. On the device, no host sync."""

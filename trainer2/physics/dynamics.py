@@ -1,0 +1,357 @@
+"""The hot loop: the relaxation steps of one phase on E + beta * loss over a preallocated workspace.
+
+(A window is one batch step: a free phase, the nudged phases and the update; each phase is a run of the steps
+here.) Two integrators, chosen once per run (`phase_function`):
+
+    damped leapfrog:  p <- (1 - gamma dt) p + dt F(s),  s <- box(s + dt p / mass),  F = -dE/ds - beta dloss/dq
+    fixed point:      s_i <- box(W_i s_{i-1} + b_i + W_{i+1}^T s_{i+1}) - beta dloss/dq on q
+
+The fixed point is the leapfrog's exact special case dt = gamma = mass = 1 (the momentum is forgotten
+every step, so p = F and s + F is the local minimiser); it needs no momenta and no force buffers.
+Both update every layer from the previous state (Jacobi), so they give the same trajectory.
+
+A workspace holds R rows: the batch (free phase) or the +beta and -beta nudged phases stacked (2B
+rows with a per-row beta, so both nudged phases cost one set of operators). Every tensor a step touches
+lives in the workspace; a step allocates nothing, never syncs with the host and never branches on a
+tensor value, so a whole window can be captured as a CUDA graph and replayed. The speed of the velocity,
+spd = sqrt(g(v, v) + eps), fills one row of `spd_hist` per step (the fixed point forms every row after its
+loop, from the q it keeps per step); the LIoR path length is R_sc dt sum(spd) and is formed once, after the phase.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trainer2.physics.energy import Energy, forces
+from trainer2.physics.readout import ReadoutFrame, ReadoutScratch, readout_force
+
+
+@dataclass(frozen=True)
+class Integrator:
+    """Step size dt, damping gamma (0 = Stormer-Verlet, conserves energy) and mass; dt = gamma = mass = 1
+    is the fixed-point iteration s <- box(argmin of the local quadratic)."""
+
+    dt: float
+    gamma: float
+    mass: float
+
+    @property
+    def fixed_point(self) -> bool:
+        return self.dt == 1.0 and self.gamma == 1.0 and self.mass == 1.0
+
+
+@dataclass
+class State:
+    """Positions s = (h_1..h_M, q) and momenta p, each (R, H_i); momenta are empty for the fixed point, which has none."""
+
+    s: list[Tensor]
+    p: list[Tensor]
+
+    @staticmethod
+    def zeros(rows: int, sizes: list[int], like: Tensor, momenta: bool = True) -> "State":
+        def new() -> list[Tensor]:
+            return [torch.zeros(rows, h, dtype=like.dtype, device=like.device) for h in sizes]
+
+        return State(new(), new() if momenta else [])
+
+    def tensors(self) -> list[Tensor]:
+        return self.s + self.p
+
+    def copy_(self, other: "State") -> None:
+        torch._foreach_copy_(self.tensors(), other.tensors())
+
+    def zero_(self) -> None:
+        torch._foreach_zero_(self.tensors())
+
+
+@dataclass
+class FoldedFrame:
+    """The readout folded into small matrices once per batch, for the fixed-point step.
+
+    With L = diag(sqrt g) R, y = q L^T are coordinates in which the metric is Euclidean, A = L^T L and
+    C_k = c_k A the candidates seen from q. Nudged: q @ mq_nudge + b_nudge = [b - q | 0 | y | 1 | qA]; W h_M is
+    then added to the first n columns (dq), -w @ caug to the first n + 1 ([dq | sum w]), and [y | 1] @ yc2 gives
+    |y - yc_k|^2 + eps less |y|^2."""
+
+    mq_nudge: Tensor  # (n, 3n + 2) q -> [dq | 0 | y | 0 | qA]: [-I, 0, L^T, 0, A] (h_M only reaches dq: W h_M is added on its own)
+    b_nudge: Tensor  # (3n + 2,) [b | 0 | 0 | 1 | 0]
+    lt: Tensor  # (n, n + 1) [L^T | 0]
+    c: Tensor  # (n + 1,) [0 .. 0, sqrt(eps)]: |v L^T, sqrt(eps)| = spd of the velocity v
+    yc2: Tensor  # (n + 1, K) [-2 Yc^T ; |yc_k|^2 + eps]
+    caug: Tensor  # (K, n + 1) [C | -1]: -w @ caug = [-w C | sum w]
+    bias: Tensor  # (K,) logit bias (0, or -inf for an empty memory slot)
+    neg_scale: Tensor  # 0-dim -retrieval_beta * R_sc
+
+
+@dataclass(frozen=True)
+class FoldBlocks:
+    """The constant blocks of a FoldedFrame, made once per workspace size so that folding is a few products and
+    concatenations: [-I | 0] (n, n + 1), a zero column (n, 1), b_nudge's tail [0 | 0 | 1 | 0] (2n + 2,), c, and a
+    column of -1 (K, 1)."""
+
+    neg_eye: Tensor
+    zero_col: Tensor
+    b_tail: Tensor
+    c: Tensor
+    minus_one: Tensor
+
+    @staticmethod
+    def make(n: int, k: int, eps: float, like: Tensor) -> "FoldBlocks":
+        def new(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+        neg_eye, b_tail, c = new(n, n + 1), new(2 * n + 2), new(n + 1)
+        neg_eye[:, :n] = -torch.eye(n, dtype=like.dtype, device=like.device)
+        b_tail[n + 1] = 1.0
+        c[n] = math.sqrt(eps)
+        return FoldBlocks(neg_eye, new(n, 1), b_tail, c, torch.full((k, 1), -1.0, dtype=like.dtype, device=like.device))
+
+
+def fold_frame(e: Energy, f: ReadoutFrame, blocks: FoldBlocks) -> FoldedFrame:
+    """Per batch (outside the window): the top coupling's bias and the readout frame folded for the fixed-point
+    step, in a dozen operators (a product or concatenation each; it ran 26 when it refilled preallocated blocks)."""
+    sg = f.g.sqrt()
+    l_t = f.rot.T * sg  # L^T = R^T diag(sqrt g)
+    lt = torch.cat([l_t, blocks.zero_col], dim=1)  # [L^T | 0]
+    a = l_t @ l_t.T  # A = L^T L
+    yc = f.zc * sg  # (K, n) candidates in the Euclidean coordinates
+    return FoldedFrame(
+        mq_nudge=torch.cat([blocks.neg_eye, lt, a], dim=1),
+        b_nudge=torch.cat([e.output.bias, blocks.b_tail]),
+        lt=lt,
+        c=blocks.c,
+        yc2=torch.cat([yc.T * -2.0, f.cc[None]]),  # f.cc = g(c_k, c_k) + eps = |yc_k|^2 + eps
+        caug=torch.cat([f.gzc_t.T @ f.rot, blocks.minus_one], dim=1),  # C = yc L^T = (g * zc) R
+        bias=f.bias,
+        neg_scale=f.neg_scale,
+    )
+
+
+@dataclass
+class Workspace:
+    """Everything a phase touches, allocated once for R rows and at most T steps."""
+
+    state: State  # the running state
+    drive: Tensor  # (R, H_1) W_1 x + b_1, filled before the window
+    target_mask: Tensor  # (R, K) 1 where candidate k carries the example's label
+    label_hit: Tensor  # (R, K) bool, the same before conversion
+    beta_sign: Tensor  # (R, 1) the nudging strength of each row (+beta, -beta or 0), fixed at allocation
+    beta_col: Tensor  # (R, 1) per-row factor of the q nudge, set once per batch
+    mask_beta: Tensor  # (R, K) target_mask * beta_col, set once per batch (fixed point)
+    neg_beta: Tensor  # (R, 1) -beta_col (fixed point)
+    spd_hist: Tensor  # (T, R) spd of every step
+    spd_rows: list[Tensor]  # the rows of spd_hist, made once (a leapfrog step writes one)
+    # fixed point
+    q_hist: Tensor  # (T + 1, R, n) q before every step and after the last
+    q_rows: list[Tensor]  # its rows, made once
+    vel: Tensor  # (T, R, n) the velocity q_{t+1} - q_t of every step
+    vel_flat: Tensor  # the same as (T R, n)
+    zv_hist: Tensor  # (T, R, n + 1) [v L^T | sqrt(eps)] of every step
+    zv_flat: Tensor  # the same as (T R, n + 1)
+    out: Tensor  # (R, 3n + 2) [dq | sum w | y | 1 | qA] of a nudged step, and views of its blocks
+    dq: Tensor
+    dqs: Tensor  # [dq | sum w]
+    wsum: Tensor
+    y: Tensor
+    y1: Tensor  # [y | 1]
+    qa: Tensor
+    temp: list[Tensor]  # (R, H_i) new lower hidden layers h_1..h_{M-1} (Jacobi); empty for one hidden layer
+    zv: Tensor  # (R, n + 1)
+    ny: Tensor  # (R, 1) |y|^2
+    y_rows: Tensor  # (R, 1, n), y_cols (R, n, 1) and ny_batch (R, 1, 1): views for |y|^2 as one batched product
+    y_cols: Tensor
+    ny_batch: Tensor
+    rspd: Tensor  # (R, K) 1 / spd(q - c_k)
+    logit: Tensor  # (R, K)
+    pi: Tensor  # (R, K)
+    w: Tensor  # (R, K) beta_col dloss/dcost_k / (beta_r R_sc spd_k)
+    py: Tensor  # (R, 1)
+    # leapfrog (and scoring)
+    force: list[Tensor]  # (R, H_i) -dE/ds_i; empty for the fixed point
+    gnudge: Tensor  # (R, n) dloss/dq
+    readout: ReadoutScratch
+
+    @staticmethod
+    def allocate(
+        rows: int, sizes: list[int], num_candidates: int, steps: int, betas: list[float], like: Tensor, fixed: bool
+    ) -> "Workspace":
+        """sizes = [H_1, ..., H_M, n]; betas: one nudging strength per block of rows (e.g. [0], [b] or [b, -b]);
+        fixed: for the fixed-point window (no momenta, no forces) rather than the leapfrog."""
+        n, k = sizes[-1], num_candidates
+
+        def new(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+        out, ny = new(rows, 3 * n + 2), new(rows, 1)
+        y = out[:, n + 1 : 2 * n + 1]
+        q_hist, vel, zv_hist = new(steps + 1, rows, n), new(steps, rows, n), new(steps, rows, n + 1)
+        spd_hist = new(steps, rows)
+        per = rows // len(betas)
+        beta_sign = torch.cat([torch.full((per, 1), b, dtype=like.dtype, device=like.device) for b in betas])
+        return Workspace(
+            state=State.zeros(rows, sizes, like, momenta=not fixed),
+            drive=new(rows, sizes[0]),
+            target_mask=new(rows, k),
+            label_hit=torch.zeros(rows, k, dtype=torch.bool, device=like.device),
+            beta_sign=beta_sign,
+            beta_col=new(rows, 1),
+            mask_beta=new(rows, k),
+            neg_beta=new(rows, 1),
+            spd_hist=spd_hist,
+            spd_rows=list(spd_hist.unbind(0)),
+            q_hist=q_hist,
+            q_rows=list(q_hist.unbind(0)),
+            vel=vel,
+            vel_flat=vel.view(-1, n),
+            zv_hist=zv_hist,
+            zv_flat=zv_hist.view(-1, n + 1),
+            out=out,
+            dq=out[:, :n],
+            dqs=out[:, : n + 1],
+            wsum=out[:, n : n + 1],
+            y=y,
+            y1=out[:, n + 1 : 2 * n + 2],
+            qa=out[:, 2 * n + 2 :],
+            temp=[new(rows, h) for h in sizes[:-2]] if fixed else [],
+            zv=new(rows, n + 1),
+            ny=ny,
+            y_rows=y.unsqueeze(1),
+            y_cols=y.unsqueeze(2),
+            ny_batch=ny.view(rows, 1, 1),
+            rspd=new(rows, k),
+            logit=new(rows, k),
+            pi=new(rows, k),
+            w=new(rows, k),
+            py=new(rows, 1),
+            force=[] if fixed else [new(rows, h) for h in sizes],
+            gnudge=new(rows, n),
+            readout=ReadoutScratch.allocate(rows, n, k, like),
+        )
+
+
+@dataclass(frozen=True)
+class PhaseRun:
+    """One run of the relaxation loop: `steps` steps (start .. start + steps - 1 of the phase) from ws.state over
+    the energy; the readout enters through its frame (leapfrog) or its folded matrices (fixed point); nudged rows
+    are pulled toward their targets; one_hot: every label has exactly one candidate (no memory bank)."""
+
+    ws: Workspace
+    energy: Energy
+    frame: ReadoutFrame
+    fold: FoldedFrame
+    integ: Integrator
+    start: int
+    steps: int
+    nudged: bool
+    one_hot: bool
+
+
+PhaseFn = Callable[[PhaseRun], None]
+
+
+def fixed_point_steps(run: PhaseRun) -> None:
+    """Fixed-point steps: every hidden layer moves to box(its pull from below + its pull from above), q to its
+    pull from h_M (nudged: plus the readout's pull); q_t is kept in ws.q_rows[t].
+
+    A dense chain costs one addmm per layer and neighbour plus one clamp per step (3 ops per free step with one
+    hidden layer). Nudged: [dq | 0 | y | 1 | qA] from q, the output coupling's pull (no bias: it is folded into
+    b_nudge) added to dq, the readout's pull added from y and qA, q_{t+1} = q_t + dq. The steps' spd comes from
+    the q history after the loop, in three operators for all of them."""
+    ws, fold, start, steps = run.ws, run.fold, run.start, run.steps
+    s, c = ws.state.s, run.energy.couplings  # c[i] joins layer i - 1 (the input for i = 0) to layer i
+    last = len(s) - 1
+    top = s[last - 1]  # h_M is updated in place: only q reads it, and q's step is formed first
+    ws.q_rows[start].copy_(s[last])
+    for t in range(start, start + steps):
+        q, q_new = ws.q_rows[t], ws.q_rows[t + 1]
+        if run.nudged:
+            torch.addmm(fold.b_nudge, q, fold.mq_nudge, out=ws.out)  # [b - q | 0 | y | 1 | qA]
+            c[last].add_up(top, ws.dq)  # the pull of h_M into dq alone (y and qA do not see h_M)
+        else:
+            c[last].up(top, q_new)  # the minimiser in q: the pull of h_M
+        # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q).
+        for i, out in enumerate(ws.temp):
+            if i == 0:
+                c[1].down(s[1], ws.drive, out)
+            else:
+                c[i + 1].add_down(s[i + 1], c[i].up(s[i - 1], out))
+        if last == 1:
+            c[last].down(q, ws.drive, top)
+        else:
+            c[last].add_down(q, c[last - 1].up(s[last - 2], top))
+        top.clamp_(0.0, 1.0)
+        if ws.temp:
+            torch._foreach_clamp_min_(ws.temp, 0.0)
+            torch._foreach_clamp_max_(ws.temp, 1.0)
+            torch._foreach_copy_(s[: last - 1], ws.temp)
+        if run.nudged:
+            readout_nudge(ws, fold, run.one_hot)
+            torch.add(q, ws.dq, out=q_new)
+    s[last].copy_(ws.q_rows[start + steps])
+    # spd_t = |v_t L^T, sqrt(eps)| for the velocities v_t = q_{t+1} - q_t of these steps, all at once
+    end, rows = start + steps, ws.vel.shape[1]
+    torch.sub(ws.q_hist[start + 1 : end + 1], ws.q_hist[start:end], out=ws.vel[start:end])
+    torch.addmm(fold.c, ws.vel_flat[start * rows : end * rows], fold.lt, out=ws.zv_flat[start * rows : end * rows])
+    torch.linalg.vector_norm(ws.zv_hist[start:end], dim=2, out=ws.spd_hist[start:end])
+
+
+def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
+    """Adds the readout's pull at the old q to ws.dq: beta_col sum_k w_k (qA - C_k), w_k = (mask_k pi_k / p_y - pi_k)
+    / spd_k, from ws.y and ws.qa (beta_col carries -beta beta_r R_sc, see `set_nudge_scale`)."""
+    rspd = ws.rspd
+    torch.bmm(ws.y_rows, ws.y_cols, out=ws.ny_batch)  # |y|^2 into ny (one operator; a norm and its square are two)
+    torch.addmm(ws.ny, ws.y1, fold.yc2, out=rspd)  # |y|^2 + |yc|^2 + eps - 2 y.yc
+    rspd.clamp_(min=0.0).rsqrt_()  # 1 / spd(q - c_k); the clamp guards rounding
+    torch.addcdiv(fold.bias, fold.neg_scale, rspd, out=ws.logit)  # bias - beta_r R_sc spd
+    torch.ops.aten._softmax.out(ws.logit, 1, False, out=ws.pi)
+    if one_hot:
+        torch.addcmul(ws.mask_beta, ws.pi, ws.neg_beta, out=ws.w).mul_(rspd)  # beta_col (mask - pi) / spd
+    else:
+        torch.mul(ws.pi, ws.target_mask, out=ws.w)
+        torch.sum(ws.w, dim=1, keepdim=True, out=ws.py)
+        ws.w.div_(ws.py).sub_(ws.pi).mul_(rspd).mul_(ws.beta_col)
+    ws.dqs.addmm_(ws.w, fold.caug, alpha=-1.0)  # [dq | 0] += [-w C | sum w]
+    ws.dq.addcmul_(ws.wsum, ws.qa)
+
+
+def leapfrog_steps(run: PhaseRun) -> None:
+    """Damped-leapfrog steps from ws.state (any dt, gamma, mass); nudged rows pull q by -beta dloss/dq."""
+    ws, integ = run.ws, run.integ
+    s, p, f = ws.state.s, ws.state.p, ws.force
+    decay, kick, drift = 1.0 - integ.gamma * integ.dt, integ.dt, integ.dt / integ.mass
+    last = len(s) - 1
+    for t in range(run.start, run.start + run.steps):
+        forces(s, ws.drive, run.energy, f)
+        if run.nudged:
+            readout_force(s[last], run.frame, ws.target_mask, ws.readout, ws.gnudge)
+            f[last].addcmul_(ws.gnudge, ws.beta_col)
+        for i in range(len(s)):
+            p[i].mul_(decay).add_(f[i], alpha=kick)
+            s[i].add_(p[i], alpha=drift)
+            if i < last:
+                s[i].clamp_(0.0, 1.0)
+        # v = (q_t - q_{t-1}) / dt = p_q / mass (q is never clamped); spd = |v L^T, sqrt(eps)|.
+        torch.addmm(run.fold.c, p[last], run.fold.lt, alpha=1.0 / integ.mass, out=ws.zv)
+        torch.linalg.vector_norm(ws.zv, dim=1, out=ws.spd_rows[t])
+
+
+def set_nudge_scale(ws: Workspace, fold: FoldedFrame, integ: Integrator) -> None:
+    """Per batch, after the target mask: the factor of each row's q nudge. The fixed point's pull lacks beta_r R_sc
+    (so beta_col = -beta * beta_r * R_sc, folded into its weights with mask_beta and neg_beta); the leapfrog adds
+    beta_col * dloss/dq (beta_col = -beta)."""
+    if integ.fixed_point:
+        torch.mul(ws.beta_sign, fold.neg_scale, out=ws.beta_col)
+        torch.mul(ws.target_mask, ws.beta_col, out=ws.mask_beta)
+        torch.neg(ws.beta_col, out=ws.neg_beta)
+    else:
+        torch.neg(ws.beta_sign, out=ws.beta_col)
+
+
+def phase_function(integ: Integrator) -> PhaseFn:
+    """The integrator's steps, chosen once per run."""
+    return fixed_point_steps if integ.fixed_point else leapfrog_steps

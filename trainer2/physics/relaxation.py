@@ -1,0 +1,190 @@
+"""The relaxation of one batch: workspaces, free and nudged phases, window statistics and held-out scoring.
+
+This is everything evaluation and sampling need; it holds no update state. `Relaxation` owns the
+preallocated workspaces for one batch size, so its windows allocate nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trainer2.config import TrainConfig
+from trainer2.physics.dynamics import (
+    FoldBlocks,
+    FoldedFrame,
+    Integrator,
+    PhaseRun,
+    State,
+    Workspace,
+    fold_frame,
+    phase_function,
+    set_nudge_scale,
+)
+from trainer2.physics.energy import input_drive
+from trainer2.physics.machine import Machine
+from trainer2.physics.memory import MemoryBank
+from trainer2.physics.nudge import NudgeScheme
+from trainer2.physics.readout import (
+    Candidates,
+    ReadoutFrame,
+    ReadoutResult,
+    readout_frame,
+    readout_loss_and_grads,
+    readout_scores,
+)
+
+
+@dataclass
+class WindowStats:
+    """Window observables, each a 0-dim tensor: free-phase LIoR path length, mean and last spd, mean R_sc
+    (batch means), and the nudged phases' path length (0 when a gradient source runs no nudged phase)."""
+
+    lior_mean: Tensor
+    spd_mean: Tensor
+    spd_last: Tensor
+    R_mean: Tensor
+    lior_nudge: Tensor
+
+
+@dataclass
+class FreeState:
+    """What the free phase fixes for the rest of the batch: the clamped input x (B, D), the readout frame
+    (and its folded matrices) and the retrieval candidates. The equilibrium itself is in `Relaxation.s0`."""
+
+    x: Tensor
+    frame: ReadoutFrame
+    fold: FoldedFrame
+    cand: Candidates
+
+
+class Relaxation:
+    """Workspaces and the saved free equilibrium s0 for one batch size. The free phase relaxes B rows; the
+    nudged phases relax one workspace of 2B rows (+beta, then -beta), or B rows with one-sided nudging."""
+
+    def __init__(self, machine: Machine, cfg: TrainConfig, batch: int, memory: MemoryBank | None = None) -> None:
+        self.m, self.cfg, self.batch, self.memory = machine, cfg, batch, memory
+        like = machine.readout.protos
+        sizes = machine.state_sizes()
+        num_cand = machine.num_classes + (0 if memory is None else memory.coords.shape[0])
+        self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass)
+        self.steps_fn = phase_function(self.integ)  # chosen once per run, not per step
+        self.one_hot = memory is None  # every label has exactly one candidate, its prototype
+        self.nudge = NudgeScheme(cfg.beta_nudge, cfg.symmetric_nudge)
+        fixed = self.integ.fixed_point
+        self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed)
+        self.ws_nudged = Workspace.allocate(
+            self.nudge.phases * batch, sizes, num_cand, cfg.nudge_steps, self.nudge.betas, like, fixed
+        )
+        self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
+        self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, cfg.eps, like)
+        self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
+        # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
+        self.s_plus = self.nudge.plus(self.ws_nudged.state.s, batch)
+        self.s_minus = self.nudge.minus(self.ws_nudged.state.s, self.s0.s, batch)
+        # Observability hooks (trainer2.io.telemetry): a timed/labelled context per phase, and progress
+        # inside a window, on_steps(phase, step, steps, spd_last, lior), every progress_every steps.
+        self.phase: Callable[[str], AbstractContextManager[None]] = lambda name: nullcontext()
+        self.progress_every = 0
+        self.on_steps: Callable[[str, int, int, float, float], None] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.ws.drive.device
+
+    def candidates(self) -> Candidates:
+        return self.protos if self.memory is None else self.memory.candidates(self.protos)
+
+    def free_phase(self, inputs: Tensor, targets: Tensor) -> FreeState:
+        """Clamp the input, relax T_free steps from rest; leaves s0 in self.s0 and the window's spd in ws.spd_hist."""
+        m, ws, cfg = self.m, self.ws, self.cfg
+        x = m.input_vectors(inputs)
+        cand = self.candidates()
+        frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
+        fold = fold_frame(m.energy, frame, self.fold_blocks)
+        torch.eq(targets[:, None], cand.labels[None, :], out=ws.label_hit)
+        ws.target_mask.copy_(ws.label_hit)
+        input_drive(x, m.energy, ws.drive)
+        ws.state.zero_()
+        free = FreeState(x, frame, fold, cand)
+        self.relax(ws, free, cfg.free_steps, False, "free")
+        self.s0.copy_(ws.state)
+        return free
+
+    def free_stats(self) -> dict[str, Tensor]:
+        """The free window's observables (call right after free_phase): batch means, 0-dim."""
+        spd_mean = self.ws.spd_hist.mean()  # (T, B): spd_hist holds exactly this window's steps
+        return {
+            "lior_mean": self.lior(spd_mean, self.cfg.free_steps),
+            "spd_mean": spd_mean,
+            "spd_last": self.ws.spd_rows[-1].mean(),
+            "R_mean": self.m.readout.r_sc.clone(),
+        }
+
+    def nudged_phases(self, free: FreeState) -> None:
+        """Relax T_nudge steps from s0 on E + beta * loss, every nudged phase at once (stacked rows)."""
+        ws, k = self.ws_nudged, self.nudge.phases
+        ws.target_mask.view(k, self.batch, -1).copy_(self.ws.target_mask)
+        ws.drive.view(k, self.batch, -1).copy_(self.ws.drive)
+        for dst, src in zip(ws.state.tensors(), self.s0.tensors(), strict=True):
+            dst.view(k, self.batch, -1).copy_(src)
+        set_nudge_scale(ws, free.fold, self.integ)
+        self.relax(ws, free, self.cfg.nudge_steps, True, "nudged")
+
+    def nudged_lior(self) -> Tensor:
+        """Mean LIoR path length of the nudged phases (0-dim), after nudged_phases."""
+        return self.lior(self.ws_nudged.spd_hist.mean(), self.cfg.nudge_steps)
+
+    def lior(self, spd_mean: Tensor, steps: int) -> Tensor:
+        """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean."""
+        return torch.mul(self.m.readout.r_sc, self.cfg.dt * steps).mul_(spd_mean)
+
+    def run(self, ws: Workspace, free: FreeState, start: int, steps: int, nudged: bool) -> None:
+        """Relaxation steps start .. start + steps - 1 of a phase over workspace ws."""
+        self.steps_fn(
+            PhaseRun(ws, self.m.energy, free.frame, free.fold, self.integ, start, steps, nudged, self.one_hot)
+        )
+
+    def relax(self, ws: Workspace, free: FreeState, steps: int, nudged: bool, name: str) -> None:
+        """A phase of `steps` steps; with on_steps set, in chunks of progress_every steps, each followed by one
+        transfer of [spd_last mean, lior mean] (the chunks give the same result as one run)."""
+        every = self.progress_every
+        if self.on_steps is None or every < 1:
+            self.run(ws, free, 0, steps, nudged)
+            return
+        for done in range(0, steps, every):
+            n = min(every, steps - done)
+            self.run(ws, free, done, n, nudged)
+            spd_last, lior = torch.stack(
+                [ws.spd_hist[done + n - 1].mean(), self.lior(ws.spd_hist[: done + n].mean(), done + n)]
+            ).tolist()
+            self.on_steps(name, done + n, steps, spd_last, lior)
+
+    def readout_scores(self, free: FreeState) -> tuple[Tensor, Tensor]:
+        """Per-example loss (B,) in nats and class probabilities (B, V) at s0, without any gradient."""
+        return readout_scores(
+            self.s0.s[-1], free.frame, free.cand, self.ws.target_mask, self.m.num_classes, self.ws.readout, self.one_hot
+        )
+
+    def readout_grads(self, free: FreeState) -> ReadoutResult:
+        """Loss, probabilities and the readout's exact gradients (batch means) at s0."""
+        return readout_loss_and_grads(
+            self.s0.s[-1],
+            free.frame,
+            free.cand,
+            self.ws.target_mask,
+            self.m.num_classes,
+            self.m.layout,
+            self.ws.readout,
+            self.one_hot,
+        )
+
+    @torch.no_grad()
+    def score(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """Held-out scoring: (summed loss in nats, number correct), both 0-dim, after a free phase."""
+        loss, probs = self.readout_scores(self.free_phase(inputs, targets))
+        return loss.sum(), (probs.argmax(1) == targets).sum()

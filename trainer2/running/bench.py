@@ -1,0 +1,361 @@
+"""Speed benchmark: eager vs CUDA graph vs torch.compile vs compile+graph, in one run, on one config.
+
+    python main.py bench [--preset NAME] [--FIELD VALUE ...] [--batch_sizes 8 64] [--modes ...] [--windows 20]
+
+For each batch size and mode it builds a fresh machine (same seed) and runs warm-up windows (compile,
+graph capture and one replay included; not timed); then it times `--windows` batch steps per mode in
+interleaved rounds, so a drifting load hits every mode alike (CUDA events on a GPU, perf_counter on
+CPU). It prints windows/s, examples/s, the ratio to eager, and kernels (ops on CPU) and launch calls
+per relaxation step from torch.profiler over one batch step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch._dynamo
+import torch._inductor.config
+from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
+
+from trainer2.config import ConfigError, TrainConfig
+from trainer2.flags import add_config_flags, resolve_config
+from trainer2.io.data import Dataset, Sampler, load_dataset
+from trainer2.io.profiling import PhaseTimer, drop_kineto_markers
+from trainer2.learning.step import BatchStep, build_step
+from trainer2.physics.nudge import NudgeScheme
+from trainer2.running.parts import build_parts, resolve_device
+from trainer2.running.step_runner import StepRunner
+
+MODES = ("eager", "graph", "compile", "compile+graph", "reduce-overhead")
+# Top-level CPU ops that launch no kernel: views and allocations.
+NO_KERNEL = {
+    "aten::" + n
+    for n in (
+        "numpy_T",
+        "t",
+        "transpose",
+        "view",
+        "reshape",
+        "expand",
+        "slice",
+        "select",
+        "unsqueeze",
+        "squeeze",
+        "squeeze_",
+        "permute",
+        "as_strided",
+        "unbind",
+        "flatten",
+        "detach",
+        "alias",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "lift_fresh",
+        "resolve_conj",
+        "resolve_neg",
+        "to",
+    )
+}
+
+
+@dataclass
+class Row:
+    """One measured (batch, mode), or why it could not run."""
+
+    batch: int
+    mode: str
+    windows_per_s: float | None = None
+    kernels_per_step: float | None = None
+    launches_per_step: float | None = None
+    setup_s: float = 0.0
+    note: str = ""
+
+
+def relax_steps(cfg: TrainConfig) -> int:
+    """Relaxation steps in one batch step: the free window and one or two nudged windows."""
+    return cfg.free_steps + NudgeScheme(cfg.beta_nudge, cfg.symmetric_nudge).phases * cfg.nudge_steps
+
+
+def count_work(prof: profile, cuda: bool) -> tuple[int, int]:
+    """(device kernels, host launch calls) on CUDA; (kernel-running top-level ops incl. inductor C++ kernels, same) on CPU."""
+    events = prof.events()
+    if cuda:
+        kernels = sum(1 for e in events if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
+        launches = sum(
+            1 for e in events if e.device_type.name == "CPU" and ("LaunchKernel" in e.name or "GraphLaunch" in e.name)
+        )
+        return kernels, launches
+
+    def counted(e) -> bool:
+        return (e.name.startswith("aten::") and e.name not in NO_KERNEL) or "cpp_fused" in e.name
+
+    def has_counted_parent(e) -> bool:
+        p = e.cpu_parent
+        while p is not None:
+            if counted(p):
+                return True
+            p = p.cpu_parent
+        return False
+
+    ops = sum(1 for e in events if counted(e) and not has_counted_parent(e))
+    return ops, ops
+
+
+def profile_call(fn, cuda: bool) -> tuple[int, int]:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with drop_kineto_markers(), profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return count_work(prof, cuda)
+
+
+def host_batches(data: Dataset, batch: int, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    sampler = Sampler(data.num_examples("train"), batch, seed)
+    return [data.batch("train", sampler.next()) for _ in range(n)]
+
+
+def make_step(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device) -> BatchStep:
+    """A fresh machine (same seed every time) and its EP batch step for `batch` examples."""
+    parts = build_parts(cfg, device, data, batch)
+    return build_step(parts.machine, cfg, batch, parts.memory)
+
+
+def prepare(
+    cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, mode: str, warmup: list
+) -> tuple[Row, StepRunner | None]:
+    """A fresh machine (same seed for every mode) and its runner, warmed up (compile and capture included); or why not."""
+    cuda = device.type == "cuda"
+    graphs, compiled = mode in ("graph", "compile+graph", "reduce-overhead"), mode not in ("eager", "graph")
+    if graphs and not cuda:
+        return Row(batch, mode, note="n/a (CUDA graphs need a CUDA device)"), None
+    counters.clear()
+    step = make_step(cfg, data, batch, device)
+    logs: list[str] = []
+    runner = StepRunner(
+        step,
+        graphs=graphs,
+        compile=compiled,
+        warmup_steps=cfg.warmup_steps,
+        compile_mode="reduce-overhead" if mode == "reduce-overhead" else cfg.compile_mode,
+        log=logs.append,
+    )
+    start = time.perf_counter()
+    for x, y in warmup:
+        runner.step(x, y)
+    if cuda:
+        torch.cuda.synchronize(device)
+    row = Row(batch, mode, setup_s=time.perf_counter() - start)
+    if runner.mode != ("compile+graph" if mode == "reduce-overhead" else mode):
+        row.note = f"n/a ({logs[-1] if logs else 'ran as ' + runner.mode})"
+    elif counters["inductor"]["cudagraph_skips"]:
+        row.note = "n/a (torch.compile skipped its CUDA graphs; rerun with TORCH_LOGS=perf_hints to see why)"
+    return row, None if row.note else runner
+
+
+def time_windows(runner: StepRunner, feed: list, cuda: bool) -> float:
+    """Seconds for one batch step per batch in `feed`: CUDA events on a GPU, perf_counter on CPU."""
+    if not cuda:
+        t0 = time.perf_counter()
+        for x, y in feed:
+            runner.step(x, y)
+        return time.perf_counter() - t0
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for x, y in feed:
+        runner.step(x, y)
+    t1.record()
+    t1.synchronize()
+    return t0.elapsed_time(t1) / 1e3
+
+
+@torch.no_grad()
+def measure(
+    cfg: TrainConfig,
+    data: Dataset,
+    device: torch.device,
+    batch: int,
+    modes: list[str],
+    windows: int,
+    warmup: int,
+    rounds: int,
+) -> list[Row]:
+    """Warm every mode up (untimed), then time them in interleaved rounds, so load drift hits all modes alike;
+    then profile one more batch step per mode."""
+    cuda = device.type == "cuda"
+    torch._inductor.config.cpp.enable_kernel_profile = not cuda  # C++ kernels show in the CPU profile
+    feed = host_batches(data, batch, warmup + windows + 1, cfg.seed)
+    prepared = [prepare(cfg, data, device, batch, m, feed[:warmup]) for m in modes]
+    live = [(row, runner) for row, runner in prepared if runner is not None]
+    seconds = {id(row): 0.0 for row, _ in live}
+    timed = feed[warmup : warmup + windows]
+    per_round = -(-len(timed) // rounds)
+    for r in range(0, len(timed), per_round):
+        for row, runner in live:
+            seconds[id(row)] += time_windows(runner, timed[r : r + per_round], cuda)
+    steps = relax_steps(cfg)
+    for row, runner in live:
+        kernels, launches = profile_call(lambda: runner.step(*feed[-1]), cuda)
+        row.windows_per_s, row.kernels_per_step, row.launches_per_step = (
+            windows / seconds[id(row)],
+            kernels / steps,
+            launches / steps,
+        )
+    return [row for row, _ in prepared]
+
+
+@dataclass
+class WindowCost:
+    """Eager cost of one batch step, by part: kernels (ops on CPU) per relaxation step in the free and the
+    nudged window (the nudged window relaxes every nudged phase at once), and milliseconds per phase."""
+
+    free_ops: float
+    nudged_ops: float
+    phase_ms: dict[str, float]
+
+
+@torch.no_grad()
+def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, windows: int) -> WindowCost:
+    """Profile one free and one nudged window of an eager step, then time `windows` eager steps by phase."""
+    step = make_step(cfg, data, batch, device)
+    relax = step.relax
+    feed = [(x.to(device), y.to(device)) for x, y in host_batches(data, batch, windows + 2, cfg.seed)]
+    free = relax.free_phase(*feed[0])
+    relax.nudged_phases(free)  # fills the nudged workspace once, as a step does
+    cuda = device.type == "cuda"
+    k_free, _ = profile_call(lambda: relax.run(relax.ws, free, 0, cfg.free_steps, False), cuda)
+    k_nudged, _ = profile_call(lambda: relax.run(relax.ws_nudged, free, 0, cfg.nudge_steps, True), cuda)
+    runner = StepRunner(step)  # eager, as the trainer runs it (in inference mode)
+    runner.step(*feed[1])  # warm-up
+    timer = PhaseTimer(device, timing=True)
+    relax.phase = timer.phase
+    for x, y in feed[2:]:
+        runner.step(x, y)
+    times = timer.collect(windows)
+    return WindowCost(
+        k_free / cfg.free_steps,
+        k_nudged / cfg.nudge_steps,
+        {k.removeprefix("time_").removesuffix("_ms"): v for k, v in times.items()},
+    )
+
+
+def fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def report(
+    rows: list[Row],
+    cfg: TrainConfig,
+    device: torch.device,
+    argv: list[str],
+    windows: int,
+    warmup: int,
+    cost: WindowCost,
+) -> str:
+    cuda = device.type == "cuda"
+    name = (
+        torch.cuda.get_device_name(device)
+        if cuda
+        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    )
+    unit = "kernels" if cuda else "ops"
+    lines = [
+        f"trainer2 bench: {name}, torch {torch.__version__}, {cfg.dtype}",
+        f"command: python main.py bench {' '.join(argv)}".rstrip(),
+        f"machine: layers {cfg.layers}, n {cfg.coord_dim_n}, context {cfg.context_len}x{cfg.embed_dim}, memory {cfg.memory_capacity}; "
+        f"window: {cfg.free_steps} free + {'2x' if cfg.symmetric_nudge else ''}{cfg.nudge_steps} nudged = {relax_steps(cfg)} relaxation steps",
+        f"timed: {windows} windows per mode in interleaved rounds, after {warmup} warm-up windows "
+        f"(excluded; setup_s = warm-up incl. compile/capture); {'CUDA events' if cuda else 'perf_counter'}",
+        "",
+        f"{'batch':>5}  {'mode':<15} {'windows/s':>10} {'examples/s':>11} {'vs eager':>8} {unit + '/step':>12} {'launches/step':>13} {'setup_s':>8}",
+    ]
+    eager = {r.batch: r.windows_per_s for r in rows if r.mode == "eager"}
+    for r in rows:
+        if r.windows_per_s is None:
+            lines.append(f"{r.batch:>5}  {r.mode:<15} {r.note}")
+            continue
+        base = eager.get(r.batch)
+        ratio = f"{r.windows_per_s / base:.2f}x" if base else "-"
+        lines.append(
+            f"{r.batch:>5}  {r.mode:<15} {r.windows_per_s:>10.2f} {r.windows_per_s * r.batch:>11.1f} {ratio:>8} "
+            f"{fmt(r.kernels_per_step, '.1f'):>12} {fmt(r.launches_per_step if cuda else None, '.1f'):>13} {r.setup_s:>8.1f}"
+        )
+    lines += [
+        "",
+        f"{unit}/step: one profiled batch step (free, nudged, update, memory write) / {relax_steps(cfg)} relaxation steps; "
+        f"eager windows alone: {cost.free_ops:.1f} {unit} per free relaxation step, {cost.nudged_ops:.1f} per nudged step "
+        f"({'both nudged phases stacked in one batch' if cfg.symmetric_nudge else 'one nudged phase'}).",
+        f"eager phases, ms per window at batch {rows[0].batch if rows else '-'}: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in cost.phase_ms.items()),
+    ]
+    if not cuda:
+        lines.append(
+            "ops = top-level aten ops that run a kernel, plus inductor C++ kernels; launches/step is a CUDA figure."
+        )
+    return "\n".join(lines)
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trainer2 bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", help="Preset name in configs/ or a YAML path (the machine and window to time).")
+    p.add_argument("--config", help="YAML file of config fields, applied over the preset.")
+    p.add_argument(
+        "--batch_sizes", type=int, nargs="+", help="Batch sizes to time (default: 8 and the config's batch_size)."
+    )
+    p.add_argument(
+        "--modes", nargs="+", choices=MODES, default=list(MODES[:4]), help="Modes to time (default: the first four)."
+    )
+    p.add_argument("--windows", type=int, default=20, help="Timed windows per (batch, mode).")
+    p.add_argument(
+        "--rounds", type=int, default=5, help="The timed windows are split into this many rounds, modes interleaved."
+    )
+    p.add_argument("--warmup", type=int, default=None, help="Untimed warm-up windows (default: warmup_steps + 2).")
+    add_config_flags(p)
+    return p
+
+
+def run(argv: list[str]) -> tuple[list[Row], str]:
+    """Measure every (batch size, mode) the flags ask for; returns the rows and the printed report."""
+    args = bench_parser().parse_args(argv)
+    cfg = resolve_config(args)
+    if args.windows < 1 or args.rounds < 1:
+        raise ConfigError(f"--windows and --rounds must be >= 1, got {args.windows} and {args.rounds}")
+    warmup = cfg.warmup_steps + 2 if args.warmup is None else args.warmup
+    if warmup < max(cfg.warmup_steps, 1) + 1:
+        raise ConfigError(
+            f"--warmup ({warmup}) must exceed warmup_steps ({cfg.warmup_steps}) so the graph is captured before timing"
+        )
+    sizes = args.batch_sizes or sorted({8, cfg.batch_size})
+    if any(b < 1 for b in sizes):
+        raise ConfigError(f"--batch_sizes must be >= 1, got {sizes}")
+    device = resolve_device(cfg)
+    data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
+    torch._dynamo.reset()
+    rows = []
+    for b in sizes:
+        rows += measure(cfg, data, device, b, args.modes, args.windows, warmup, args.rounds)
+        for r in rows[-len(args.modes) :]:
+            print(
+                f"  batch {b} {r.mode}: {fmt(r.windows_per_s, '.2f')} windows/s {r.note}".rstrip(),
+                file=sys.stderr,
+                flush=True,
+            )
+    return rows, report(
+        rows, cfg, device, argv, args.windows, warmup, window_only(cfg, data, device, sizes[0], args.windows)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(run(list(sys.argv[1:] if argv is None else argv))[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

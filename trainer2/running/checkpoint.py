@@ -1,0 +1,360 @@
+"""Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/ with tensors.safetensors and a meta.json sidecar.
+
+This module does the atomic I/O and the validation; what goes into a checkpoint is the Trainer's
+(`Trainer.state_dict` / `load_state_dict`), and the resume policy is trainer2.running.resume's.
+
+A save writes a temporary directory beside the target, fsyncs it and renames it into place, so a
+directory named step_<N> is always complete; the sidecar (written last) carries the size and sha256
+of the tensor file, so truncation and corruption are caught on load. Loading copies into the live
+tensors in place, so anything holding them (a captured CUDA graph) still sees the same buffers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from trainer2.config import TrainConfig, upgrade_legacy
+
+if TYPE_CHECKING:
+    from trainer2.io.data import Dataset
+
+FORMAT_VERSION = 2  # 2: the sampler state is O(1) (no stored permutation); text tokens hashed in their smallest type
+TENSORS_FILE = "tensors.safetensors"
+META_FILE = "meta.json"
+TMP_PREFIX = ".tmp-"
+STEP_RE = re.compile(r"step_(\d{8,})")
+
+# Fields that only steer the run; they may change on resume. Every other field defines the model,
+# the data or the learning rule and must match the checkpoint (a new field is fixed until listed here).
+RESUME_FREE_FIELDS = frozenset(
+    {
+        "run_name",
+        "device",
+        "cpu_threads",
+        "checkpoint_dir",
+        "static_shapes",
+        "capture_batch_size",
+        "use_cudagraphs",
+        "warmup_steps",
+        "use_torch_compile",
+        "cudnn_benchmark",
+        "cudnn_deterministic",
+        "allow_tf32",
+        "max_windows",
+        "max_epochs",
+        "log_every_windows",
+        "eval_every_windows",
+        "eval_batches",
+        "save_every_windows",
+        "keep_last",
+        "step_progress_every",
+        "timing_debug",
+        "compile_mode",
+        "profile_windows",
+        "cleanup_every",
+        "cleanup_threshold",
+        "tensorboard",
+        "dist_timeout_seconds",
+        # per process: the global batch (batch_size x world size) is what must match, checked by Trainer.load_checkpoint
+        "batch_size",
+    }
+)
+
+
+class CheckpointError(ValueError):
+    """A missing, partial, corrupt or mismatched checkpoint; the message names the file and the problem."""
+
+
+def fixed_fields() -> list[str]:
+    """Config fields that must equal the checkpoint's on resume."""
+    return [f for f in TrainConfig.model_fields if f not in RESUME_FREE_FIELDS]
+
+
+# --- layout ---
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_RE.fullmatch(path.name).group(1))
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run (directories named step_<N>), oldest first; temporary ones never count."""
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if p.is_dir() and STEP_RE.fullmatch(p.name)]
+    return sorted(found, key=step_of)
+
+
+def find_latest(run_dir: Path) -> Path:
+    """The newest complete checkpoint of a run; a run with none is an error, never a silent fresh start."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(
+            f"no checkpoint to resume in {run_dir}: expected a directory step_<N>/ there "
+            "(check --run_name and --checkpoint_dir, or drop --resume to start afresh)"
+        )
+    return found[-1]
+
+
+def resolve_checkpoint(spec: str, run_dir: Path) -> Path:
+    """'latest' -> the run's newest checkpoint; anything else is a checkpoint directory path."""
+    if spec == "latest":
+        return find_latest(run_dir)
+    path = Path(spec)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: no such directory; expected 'latest' or a step_<N>/ directory")
+    return path
+
+
+# --- saving ---
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, Any]) -> Path:
+    """Write run_dir/step_<N>/ atomically: temp dir, fsync files and dirs, rename. Returns the new path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / step_name(step)
+    tmp = run_dir / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        # safetensors wants contiguous CPU tensors that share no storage.
+        save_file(
+            {k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()}, str(tmp / TENSORS_FILE)
+        )
+        _fsync(tmp / TENSORS_FILE)
+        meta = {
+            **meta,
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "tensors": {
+                "file": TENSORS_FILE,
+                "bytes": (tmp / TENSORS_FILE).stat().st_size,
+                "sha256": _sha256(tmp / TENSORS_FILE),
+            },
+        }
+        with open(tmp / META_FILE, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(tmp)
+        if target.exists():  # re-saving a step (a resume from an older checkpoint): swap, then drop the old one
+            old = run_dir / f"{TMP_PREFIX}old-{target.name}-{os.getpid()}"
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+        _fsync(run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def prune(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest keep_last complete checkpoints; returns what was removed."""
+    old = list_checkpoints(run_dir)[:-keep_last]
+    for path in old:
+        shutil.rmtree(path)
+    return old
+
+
+# --- reading ---
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The validated sidecar of a checkpoint directory."""
+    file = path / META_FILE
+    if not file.is_file():
+        raise CheckpointError(
+            f"checkpoint {path}: missing {META_FILE} (the sidecar); the save did not finish or the file was removed"
+        )
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e}); the sidecar is corrupt") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(meta).__name__}")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file}: checkpoint format version {version!r}; this trainer reads version {FORMAT_VERSION}"
+        )
+    kinds = {"step": int, "config": dict, "counters": dict, "data": dict, "history": list, "tensors": dict}
+    missing = [k for k in kinds if k not in meta]
+    if missing:
+        raise CheckpointError(f"{file}: missing key(s) {missing}; the sidecar is incomplete")
+    for key, kind in kinds.items():
+        if not isinstance(meta[key], kind):
+            raise CheckpointError(f"{file}: {key!r} must be a JSON {kind.__name__}, got {type(meta[key]).__name__}")
+    if not isinstance(meta["tensors"].get("bytes"), int) or not isinstance(meta["tensors"].get("sha256"), str):
+        raise CheckpointError(f"{file}: 'tensors' must record the tensor file's 'bytes' and 'sha256'")
+    named = STEP_RE.fullmatch(path.name)
+    if named and int(named.group(1)) != meta["step"]:
+        raise CheckpointError(
+            f"{file}: records step {meta['step']}, but its directory is named {path.name}; "
+            "was it renamed or copied over?"
+        )
+    return meta
+
+
+def load_tensors(path: Path, meta: dict[str, Any]) -> dict[str, Tensor]:
+    """The tensor file, checked against the size and sha256 recorded in the sidecar."""
+    file, want = path / TENSORS_FILE, meta["tensors"]
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {path}: missing {TENSORS_FILE}; the checkpoint is partial")
+    size = file.stat().st_size
+    if size != want["bytes"]:
+        raise CheckpointError(
+            f"{file}: {size} bytes, the sidecar records {want['bytes']}; the file is truncated or was replaced"
+        )
+    if _sha256(file) != want["sha256"]:
+        raise CheckpointError(f"{file}: sha256 differs from the one in {META_FILE}; the file is corrupt")
+    try:
+        return load_file(str(file))
+    except Exception as e:  # the Rust reader's error type differs between safetensors versions
+        raise CheckpointError(f"{file}: cannot be read as safetensors ({e})") from None
+
+
+def check_config(saved: dict[str, Any], cfg: TrainConfig, source: Path) -> None:
+    """Refuse a config whose model/data/learning fields differ from the checkpoint's, naming each with both values."""
+    now = cfg.model_dump(mode="json")
+    try:
+        saved = upgrade_legacy(saved)  # a checkpoint written before a field's rename names it the old way
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {source}: its config cannot be read: {e}") from None
+    bad = [
+        f"{k}: checkpoint has {saved.get(k)!r}, requested {now[k]!r}" for k in fixed_fields() if saved.get(k) != now[k]
+    ]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {source} does not match the requested config (these fields define the model, "
+            "data or learning rule and cannot change on resume; start a new --run_name to change them):\n  "
+            + "\n  ".join(bad)
+        )
+
+
+# --- trainer state ---
+
+
+def data_fingerprint(data: Dataset) -> dict[str, Any]:
+    """What identifies the data: source, vocabulary, split sizes and a sha256 of every split's contents."""
+    h = hashlib.sha256()
+    for t in (data.train, data.heldout, data.train_y, data.heldout_y):
+        if t is not None:
+            h.update(t.contiguous().numpy())  # the buffer itself: no copy of a 100 MB corpus
+    return {
+        "source": data.source,
+        "kind": data.kind,
+        "vocab": data.vocab,
+        "num_train": data.num_examples("train"),
+        "num_heldout": data.num_examples("heldout"),
+        "sha256": h.hexdigest(),
+    }
+
+
+def versions() -> dict[str, str]:
+    """Library versions, recorded in every checkpoint."""
+    import platform
+
+    import numpy
+    import pydantic
+    import safetensors
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": numpy.__version__,
+        "pydantic": pydantic.__version__,
+    }
+
+
+def check_data(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint whose data fingerprint differs from the data loaded now, naming what differs."""
+    for key in ("kind", "vocab", "num_train", "num_heldout", "sha256"):
+        if saved.get(key) != now[key]:
+            what = "vocabulary" if key == "vocab" else key
+            raise CheckpointError(
+                f"checkpoint {path}: the data differs from the checkpoint's ({what}: checkpoint "
+                f"{saved.get(key)!r}, now {now[key]!r}; source {now['source']})"
+            )
+
+
+def check_tensors(
+    loaded: dict[str, Tensor], like: dict[str, Tensor], file: Path, optional: frozenset[str] = frozenset()
+) -> None:
+    """Refuse a tensor file whose names, shapes or dtypes differ from `like` (names in `optional` may be absent or extra)."""
+    missing = sorted(set(like) - set(loaded) - optional)
+    extra = sorted(set(loaded) - set(like) - optional)
+    if missing or extra:
+        raise CheckpointError(f"{file}: tensor names do not match this trainer (missing {missing}, unexpected {extra})")
+    for k, dst in like.items():
+        if k not in loaded:
+            continue
+        src = loaded[k]
+        if src.shape != dst.shape or src.dtype != dst.dtype:
+            raise CheckpointError(
+                f"{file}: tensor {k!r} is {src.dtype} {tuple(src.shape)}, expected {dst.dtype} {tuple(dst.shape)}"
+            )
+
+
+def load_checked(
+    path: Path,
+    cfg: TrainConfig,
+    data: Dataset,
+    live: dict[str, Tensor],
+    only: tuple[str, ...] | None = None,
+    optional: frozenset[str] = frozenset(),
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """(tensors, meta) of checkpoint directory `path`, checked against this run before anything is copied: its
+    config (the fields that define the model), the data fingerprint, every tensor's name, shape and dtype against
+    `live` (only the keys with the given prefixes, when `only` is set), and its counters. The one place a
+    checkpoint is validated; training and evaluation both load through it."""
+    meta = read_meta(path)
+    check_config(meta["config"], cfg, path)
+    check_data(meta["data"], data_fingerprint(data), path)
+    loaded = load_tensors(path, meta)
+    if only is not None:
+        loaded = {k: v for k, v in loaded.items() if k.startswith(only)}
+    check_tensors(loaded, live, path / TENSORS_FILE, optional=optional)
+    check_counters(meta, path)
+    return loaded, meta
+
+
+def check_counters(meta: dict[str, Any], path: Path) -> None:
+    """The sidecar's counters must be numbers."""
+    c = meta["counters"]
+    for k in ("window", "examples", "wall_seconds"):
+        if not isinstance(c.get(k), (int, float)) or isinstance(c.get(k), bool):
+            raise CheckpointError(f"{path / META_FILE}: counters.{k} must be a number, got {c.get(k)!r}")

@@ -1,0 +1,73 @@
+"""Is the run still learning? Read from each log row (no extra device work): a divergence stops the run, a free
+phase that does not settle is warned about once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer2.running import checkpoint as ck
+
+# A settled free phase ends at spd_last = sqrt(eps): the dev preset sits at 1.00-1.02x; 3 or 6 free steps instead of
+# 12 end at up to 2.5x and 26x and learn as well; gamma 0.2 ends at 230-460x and learns visibly worse.
+UNSETTLED_FACTOR = 100.0
+# Updates dropped in a row (non-finite gradients) that mean learning has stopped; healthy runs drop none.
+DROPPED_STREAK = 50
+
+
+class Diverged(RuntimeError):
+    """The run stopped because it diverged; the message names the windows and the last checkpoint before."""
+
+
+@dataclass
+class Health:
+    """Checks each log row of windows since+1..window; holds the state of a run of dropped updates and the warning."""
+
+    eps: float
+    log: Callable[[str], None]
+    dropped_from: int | None = None  # first window of the current run of dropped updates
+    warned: bool = False
+
+    def diverged(self, row: dict[str, Any], since: int) -> tuple[str, int] | None:
+        """None, or (what happened, the last window whose checkpoint is still good): a parameter became
+        non-finite, or every update was dropped for DROPPED_STREAK windows in a row."""
+        w = row["window"]
+        self.dropped_from = (self.dropped_from or since + 1) if row["dropped"] >= 1.0 else None
+        if row["nonfinite_params"]:
+            return nonfinite(since, w), w  # every saved checkpoint was checked finite
+        if self.dropped_from is not None and w - self.dropped_from + 1 >= DROPPED_STREAK:
+            return (
+                f"every update from window {self.dropped_from} to {w} was dropped (non-finite gradients: learning "
+                "has stopped)",
+                self.dropped_from - 1,
+            )
+        return None
+
+    def warn_unsettled(self, row: dict[str, Any]) -> None:
+        """Warn once when the free phase ends far above its settled residual sqrt(eps): the window is too short or
+        the dynamics too stiff, and the EP estimate is then not the gradient at a fixed point."""
+        floor, spd = math.sqrt(self.eps), row["spd_last"]
+        if self.warned or not math.isfinite(spd) or spd <= UNSETTLED_FACTOR * floor:
+            return  # a non-finite spd comes with a divergence, reported as one
+        self.warned = True
+        self.log(
+            f"warning: the free phase does not settle: spd_last {spd:.3g} at window {row['window']}, "
+            f"{spd / floor:.3g}x its settled floor sqrt(eps) = {floor:.3g}. Give it more steps (free_steps), "
+            "a smaller dt, more damping (gamma) or a lower spectral_cap"
+        )
+
+
+def nonfinite(since: int, window: int) -> str:
+    return f"the parameters became non-finite between windows {since + 1} and {window}"
+
+
+def divergence_message(what: str, good_until: int, run_dir: Path) -> str:
+    """What happened, the newest checkpoint up to window `good_until`, and what to change."""
+    saved = [p for p in ck.list_checkpoints(run_dir) if ck.step_of(p) <= good_until]
+    good = f"the last checkpoint before it is {saved[-1]}" if saved else "no checkpoint was saved before it"
+    return (
+        f"the run diverged: {what}; {good}. Lower eta_update (or eta_readout_scale, eta_embed_scale, "
+        "weight_decay) or add lr_warmup_windows, and start a new run"
+    )

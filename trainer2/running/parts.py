@@ -1,0 +1,55 @@
+"""The parts a run computes with, built in one place for training, evaluation, sampling and bench.
+
+`build_parts` loads the data and builds the machine (and the memory bank) from a config, deterministically from
+its seed; the batch step around them is `trainer2.learning.step.build_step`. Nothing else constructs these parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer2.config import ConfigError, TrainConfig
+from trainer2.io.data import Dataset, load_dataset
+from trainer2.physics.machine import Machine, build_machine
+from trainer2.physics.memory import MemoryBank
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """The data, the device, the machine on it, and the memory bank (None when memory_capacity is 0)."""
+
+    data: Dataset
+    device: torch.device
+    machine: Machine
+    memory: MemoryBank | None
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    """The device a run computes on: 'auto' -> CUDA when present, else CPU; an explicit CUDA device without CUDA is
+    an error. Also sets this process's CPU math threads (cfg.cpu_threads; 0 leaves torch's default)."""
+    if cfg.cpu_threads > 0:
+        torch.set_num_threads(cfg.cpu_threads)
+    name = cfg.device
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device: {name!r} asked for, but CUDA is not available on this machine; use --device cpu")
+    return torch.device(name)
+
+
+def build_parts(
+    cfg: TrainConfig, device: torch.device, data: Dataset | None = None, batch: int | None = None
+) -> RunParts:
+    """Load the data (unless given) and build a fresh machine on `device` and its memory bank for `batch` rows per
+    write (cfg.batch_size unless given); the same config and seed always give the same parts."""
+    data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction) if data is None else data
+    machine = build_machine(cfg, data.num_classes, data.input_dim, data.kind == "text", device, data.input_shape)
+    rows = cfg.batch_size if batch is None else batch
+    memory = (
+        MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, rows, machine.readout.protos)
+        if cfg.memory_capacity
+        else None
+    )
+    return RunParts(data, device, machine, memory)

@@ -1,0 +1,186 @@
+"""A run directory, <checkpoint_dir>/<run_name>/: its exclusive lock, the files that mark it as a run's,
+fresh run names, and the removal of temporary checkpoint directories that killed saves left behind."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+from trainer2.io.telemetry import CONFIG_FILE, TELEMETRY_FILE
+from trainer2.running.checkpoint import META_FILE, STEP_RE, TMP_PREFIX, list_checkpoints
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): runs are not locked there
+    fcntl = None
+
+LOCK_FILE = ".lock"
+SUMMARY_FILE = "summary.json"
+RUN_FILES = (TELEMETRY_FILE, CONFIG_FILE, SUMMARY_FILE)  # with the step_<N>/ checkpoints, what a run writes
+ORPHAN_RE = re.compile(re.escape(TMP_PREFIX) + r"(?:old-)?step_\d{8,}-(\d+)")  # checkpoint.save's temporary names
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used: another process holds it, or it holds another run's files."""
+
+
+def write_error(path: Path, e: Exception, note: str = "") -> OSError:
+    """An OSError naming `path` and the cause of a failed write (the safetensors writer wraps the OS error in its
+    own type, whose text holds the errno), with an optional note on what is still intact."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and (
+        m := re.search(r"(?:code: |os error )(\d+)", str(e))
+    ):  # "(os error 28)", "Os { code: 28, .. }"
+        code = int(m.group(1))
+    cause = os.strerror(code) if code else str(e)
+    return OSError(code or errno.EIO, cause + (f"; {note}" if note else ""), str(path))
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """Names in run_dir that a run wrote (checkpoints, telemetry, config, summary), sorted; [] for a new directory."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if p.name in RUN_FILES or STEP_RE.fullmatch(p.name))
+
+
+def fresh_name(checkpoint_dir: Path, prefix: str) -> str:
+    """`<prefix>-<N>` with N one more than the largest taken under checkpoint_dir (1 for the first). Under torchrun,
+    a directory whose lock this job's rank 0 already holds is not taken: every rank must arrive at the same name."""
+    pattern = re.compile(re.escape(prefix) + r"-(\d+)")
+    found = (
+        (p, m)
+        for p in (checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else ())
+        if (m := pattern.fullmatch(p.name))
+    )
+    taken = [int(m.group(1)) for p, m in found if not ours(p)]
+    return f"{prefix}-{max(taken, default=0) + 1}"
+
+
+def ours(run_dir: Path) -> bool:
+    """Whether run_dir's lock records this torchrun job (TORCHELASTIC_RUN_ID, unique with --standalone)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    try:
+        return job is not None and json.loads((run_dir / LOCK_FILE).read_text()).get("job") == job
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def newest_run(checkpoint_dir: Path) -> Path | None:
+    """The run directory under checkpoint_dir whose newest checkpoint was written last; None when none has one."""
+    newest: tuple[int, Path] | None = None
+    for run in (p for p in checkpoint_dir.iterdir() if p.is_dir()) if checkpoint_dir.is_dir() else ():
+        found = list_checkpoints(run)
+        meta = found[-1] / META_FILE if found else None
+        if meta is not None and meta.is_file() and (newest is None or meta.stat().st_mtime_ns > newest[0]):
+            newest = (meta.stat().st_mtime_ns, run)
+    return None if newest is None else newest[1]
+
+
+class RunLock:
+    """An exclusive lock on a run directory (flock on <run_dir>/.lock, which records the holder's pid and host).
+
+    The kernel releases a flock when its process dies, so the lock of a killed run is never stale. A run
+    directory this lock created and left holding nothing but the lock file is removed again on release."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.path = run_dir, run_dir / LOCK_FILE
+        self.fd: int | None = None
+        self.created = False
+
+    def __enter__(self) -> "RunLock":
+        self.created = not self.run_dir.exists()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if fcntl is None:
+            return self
+        while self.fd is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)  # again: a releasing holder may have just removed it
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 512).decode("utf-8", "replace")
+                os.close(fd)
+                raise RunDirError(
+                    f"run directory {self.run_dir} is in use by another run ({describe_holder(holder)}); "
+                    "wait for it to end, or pass another --run_name"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the file was removed by a holder releasing an empty directory: lock the new one
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(
+                fd,
+                json.dumps(
+                    {
+                        "pid": os.getpid(),
+                        "host": socket.gethostname(),
+                        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "job": os.environ.get("TORCHELASTIC_RUN_ID"),
+                    }
+                ).encode()
+                + b"\n",
+            )
+            self.fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.created and {p.name for p in self.run_dir.iterdir()} <= {LOCK_FILE}:
+            self.path.unlink(missing_ok=True)  # nothing was written (the start failed): leave no empty run behind
+            try:
+                self.run_dir.rmdir()
+            except OSError:
+                pass
+        if self.fd is not None:
+            os.close(self.fd)  # releases the flock
+            self.fd = None
+
+
+def describe_holder(text: str) -> str:
+    """'pid N on host H since T' from a lock file's contents, or what little can be said."""
+    try:
+        h = json.loads(text)
+        return f"pid {h['pid']} on host {h['host']}, since {h['since']}"
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "a process that has not yet written its pid"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_orphans(run_dir: Path, log: Callable[[str], None]) -> int:
+    """Remove the temporary checkpoint directories of saves whose process is gone (killed mid-save); returns
+    the bytes freed. Call it holding the run's lock: then no live save of this run can be among them."""
+    freed, removed = 0, []
+    for p in sorted(run_dir.iterdir()) if run_dir.is_dir() else ():
+        m = ORPHAN_RE.fullmatch(p.name)
+        pid = int(m.group(1)) if m else None
+        if pid is None or not p.is_dir() or (pid_alive(pid) and pid != os.getpid()):
+            continue
+        freed += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p.name)
+    if removed:
+        log(
+            f"removed {len(removed)} temporary checkpoint director{'y' if len(removed) == 1 else 'ies'} left by killed "
+            f"saves in {run_dir} ({freed / 2**20:.1f} MiB): {', '.join(removed)}"
+        )
+    return freed

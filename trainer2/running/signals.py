@@ -1,0 +1,50 @@
+"""A graceful stop on SIGINT or SIGTERM (Ctrl-C, a scheduler's preemption): the first signal asks the training
+loop to stop after the current window, which then saves a checkpoint and the summary; a second one ends the
+process at once."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """While active (in the main thread only), the first SIGINT or SIGTERM sets `received` and nothing else:
+    the handler prints nothing, since it may run in the middle of a print. The handlers then revert to the
+    system default, so a second signal ends the process at once like an unhandled one: no traceback, and
+    no torn checkpoint (saves are atomic; a killed save's temporary directory is removed at the next start).
+    Signals the process ignores (SIG_IGN, as for a background job) stay ignored; on exit the previous
+    handlers come back."""
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = (
+            None  # under torchrun, another rank's may be set here (Trainer.stop_asked)
+        )
+        self.previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    previous = signal.signal(sig, self.handle)
+                    self.previous[sig] = signal.SIG_DFL if previous is None else previous  # None: not set from Python
+        return self
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signal.Signals(signum)
+        for sig in self.previous:
+            signal.signal(sig, signal.SIG_DFL)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+
+def exit_code(sig: signal.Signals) -> int:
+    """The shell's status for a process ended by `sig`: 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
+    return 128 + int(sig)
