@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trainer2.physics.energy import Energy, energy
 from trainer2.physics.machine import Machine
 from trainer2.physics.readout import rotor_layers, rotor_matrix
 
@@ -79,3 +80,40 @@ def exact_grads(
 
 def cosine(a: Tensor, b: Tensor) -> float:
     return float((a.flatten() @ b.flatten()) / (a.norm() * b.norm()).clamp_min(1e-30))
+
+
+def relax_energy(x: Tensor, e: Energy, steps: int, dt: float, gamma: float, mass: float) -> list[Tensor]:
+    """As `relax` for a chain of any couplings: the forces are autograd's -dE/ds of the energy as the couplings write
+    it (`energy`), so the pulls the trainer uses are not involved."""
+    s = [torch.zeros(x.shape[0], h, dtype=x.dtype) for h in e.state_sizes()]
+    p = [torch.zeros_like(t) for t in s]
+    for _ in range(steps):
+        s = [t if t.requires_grad else t.requires_grad_(True) for t in s]
+        force = [-g for g in torch.autograd.grad(energy(s, x, e).sum(), s, create_graph=True)]
+        p = [(1 - gamma * dt) * pi + dt * fi for pi, fi in zip(p, force)]
+        s = [si + dt * pi / mass for si, pi in zip(s, p)]
+        s = [si.clamp(0.0, 1.0) if i < len(s) - 1 else si for i, si in enumerate(s)]
+    return s
+
+
+def exact_grads_energy(
+    machine: Machine,
+    x: Tensor,
+    targets: Tensor,
+    steps: int,
+    dt: float,
+    gamma: float,
+    mass: float,
+    beta_r: float,
+    eps: float,
+) -> dict[str, Tensor]:
+    """As `exact_grads` for a feature or image machine (x (B, D) clamped) whose couplings may be of any kind."""
+    names = list(machine.named_params())
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
+    with torch.enable_grad():
+        s = relax_energy(x, machine.energy.rebind(leaves), steps, dt, gamma, mass)
+        loss = readout_loss(
+            s[-1], targets, leaves["g_diag"], leaves["theta"], leaves["protos"], leaves["r_sc"], machine, beta_r, eps
+        ).mean()
+        grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+    return {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}

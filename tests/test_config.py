@@ -86,7 +86,7 @@ def test_boolean_flags_take_no_prefix_and_optional_ints_take_none():
     assert cfg.symmetric_nudge is False and cfg.eval_batches is None and cfg.layers == [{"dense": 32}, {"dense": 16}]
 
 
-@pytest.mark.parametrize("name", ["dev", "production", "deep", "profiling"])
+@pytest.mark.parametrize("name", ["dev", "production", "deep", "profiling", "conv"])
 def test_presets_are_valid(name):
     assert (preset_dir() / f"{name}.yaml").is_file()
     config_from(["--preset", name])
@@ -396,7 +396,8 @@ def test_layers_describe_the_architecture_and_hidden_sizes_is_their_shorthand(tm
 @pytest.mark.parametrize(
     "layers, words",
     [
-        ([{"conv": 3}], "kind in ['dense']"),
+        ([{"conv": 3}], "layer 0 (conv): a conv layer's spec must be a mapping"),
+        ([{"pool": 3}], "kind in ['conv', 'dense']"),
         ([{"dense": 0}], "integer >= 1"),
         ([{"dense": 8, "other": 2}], "one {kind: spec} entry"),
         ([], "at least 1"),

@@ -233,7 +233,11 @@ def test_npz_two_rows_splits_one_each(tmp_path: Path) -> None:
 BAD_NPZ = [
     ("missing_y", {"x": np.zeros((4, 2))}, "missing array 'y'"),
     ("missing_x", {"y": np.zeros(4, dtype=np.int64), "z": np.zeros(4)}, r"missing array 'x'.*\['y', 'z'\]"),
-    ("x_1d", {"x": np.zeros(4), "y": np.zeros(4, dtype=np.int64)}, r"2-D.*\(4,\)"),
+    (
+        "x_1d",
+        {"x": np.zeros(4), "y": np.zeros(4, dtype=np.int64)},
+        r"\[N, D\] features or .* images, found shape \(4,\)",
+    ),
     ("y_2d", {"x": np.zeros((4, 2)), "y": np.zeros((4, 1), dtype=np.int64)}, r"1-D.*\(4, 1\)"),
     ("length", {"x": np.zeros((4, 2)), "y": np.zeros(3, dtype=np.int64)}, "4 and 3"),
     ("float_y", {"x": np.zeros((4, 2)), "y": np.zeros(4)}, "integer.*float64"),

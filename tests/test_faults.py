@@ -284,7 +284,7 @@ def test_a_fresh_run_never_writes_into_a_directory_holding_another_runs_files(tm
 
 
 def test_runs_without_a_name_get_fresh_ones_and_resume_latest_takes_the_newest(tmp_path, small_text, capsys):
-    for preset in ("dev", "production", "deep", "profiling"):
+    for preset in ("dev", "production", "deep", "profiling", "conv"):
         assert "run_name" not in read_yaml(preset_dir() / f"{preset}.yaml")
     preset = tmp_path / "tinyp.yaml"
     preset.write_text(

@@ -9,10 +9,12 @@ import stat
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from trainer2.io import image_data
 from trainer2.io.sizes import available_bytes
 
 BUILTIN_SOURCE = "builtin:pydoc_data.topics"
@@ -40,6 +42,7 @@ class Dataset:
     train_y: torch.Tensor | None
     heldout_y: torch.Tensor | None
     digest: str | None = None  # sha256 of the text's tokens when known (a token cache's), so nobody hashes them again
+    input_shape: tuple[int, ...] | None = None  # (C, H, W) of an image data set, whose rows are flattened images
 
     def _split(self, split: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(tokens [T] or x [N, D], None or y [N]) of one split."""
@@ -93,7 +96,9 @@ def encode(text: str, vocab: Sequence[str], source: str) -> torch.Tensor:
 
 
 def load_dataset(path: str | None, context_len: int, heldout_fraction: float = 0.1) -> Dataset:
-    """path None -> the built-in corpus; '*.npz' -> a feature data set; anything else -> a UTF-8 text file."""
+    """path None -> the built-in corpus; '*.npz' -> a feature or image data set (x [N, D] or [N, (C,) H, W]); a
+    directory
+    -> MNIST IDX files or CIFAR-10 python batches (trainer2.io.image_data); anything else -> a UTF-8 text file."""
     if not 0.0 < heldout_fraction < 1.0:
         raise DataError(f"{path or BUILTIN_SOURCE}: heldout_fraction must be in (0, 1), got {heldout_fraction}")
     if path is None:
@@ -101,6 +106,8 @@ def load_dataset(path: str | None, context_len: int, heldout_fraction: float = 0
         return _text_dataset(lambda: iter([text]), BUILTIN_SOURCE, context_len, heldout_fraction)
     if path.endswith(".npz"):
         return _feature_dataset(path, heldout_fraction)
+    if Path(path).is_dir():
+        return _image_dataset(path, lambda: image_data.load_image_dir(path, heldout_fraction))
     _sniff_text(path, _check_file(path, "a UTF-8 text file or a .npz feature file"))
     return _text_dataset(lambda: _read_text_chunks(path), path, context_len, heldout_fraction)
 
@@ -261,12 +268,36 @@ def text_split(
     )
 
 
+def _image_dataset(source: str, read: Callable[[], image_data.ImageSplits]) -> Dataset:
+    """An "images" data set from a reader of trainer2.io.image_data (its errors become DataErrors)."""
+    try:
+        im = read()
+    except image_data.DataError as e:
+        raise DataError(str(e)) from None
+    return Dataset(
+        kind="images",
+        source=source,
+        vocab=[],
+        num_classes=im.num_classes,
+        input_dim=im.train.shape[1],
+        context_len=0,
+        train=im.train,
+        heldout=im.heldout,
+        train_y=im.train_y,
+        heldout_y=im.heldout_y,
+        input_shape=im.shape,
+    )
+
+
 def _feature_dataset(path: str, heldout_fraction: float) -> Dataset:
-    """Features from an .npz with x [N, D] and y [N]; the last heldout_fraction of rows is held-out.
+    """Features from an .npz with x [N, D] (images: [N, H, W] or [N, C, H, W]) and y [N]; the last heldout_fraction
+    of rows is held-out.
 
     Rows are NOT shuffled: the split is by position, so pre-shuffle the file if its rows are ordered.
     """
     x, y = _read_npz(path)
+    if x.ndim > 2:
+        return _image_dataset(path, lambda: image_data.image_splits(path, x, y, None, None, heldout_fraction))
     n = len(x)
     # At least one row on each side, whatever the fraction.
     n_train = min(n - 1, max(1, n - round(n * heldout_fraction)))
@@ -364,8 +395,8 @@ def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path}: cannot load as .npz ({e}); expected arrays 'x' and 'y' saved with numpy.savez") from e
     if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
         raise DataError(f"{path}: x must be a floating or integer array, found dtype {x.dtype}")
-    if x.ndim != 2 or x.shape[1] < 1:
-        raise DataError(f"{path}: x must be 2-D [N, D] with D >= 1, found shape {x.shape}")
+    if x.ndim not in (2, 3, 4) or 0 in x.shape[1:]:
+        raise DataError(f"{path}: x must be [N, D] features or [N, H, W] / [N, C, H, W] images, found shape {x.shape}")
     if not np.issubdtype(y.dtype, np.integer):
         raise DataError(f"{path}: y must be an integer array of class labels, found dtype {y.dtype}")
     if y.ndim != 1:

@@ -333,6 +333,6 @@ def cached_text_dataset(path: str, where: str, context_len: int, heldout_fractio
 
 def load_text_or_features(path: str | None, context_len: int, heldout_fraction: float, token_cache: str) -> Dataset:
     """data.load_dataset, with text files served from their token cache unless token_cache is "off"."""
-    if path is None or path.endswith(".npz") or token_cache == "off":
+    if path is None or path.endswith(".npz") or token_cache == "off" or Path(path).is_dir():  # a dir: images
         return load_dataset(path, context_len, heldout_fraction)
     return cached_text_dataset(path, token_cache, context_len, heldout_fraction)

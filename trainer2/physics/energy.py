@@ -66,12 +66,20 @@ class Energy:
         return [c.bias for c in self.couplings]
 
 
-def layer_shapes(layers: list[dict[str, Any]]) -> list[tuple[str, tuple[int, ...]]]:
-    """(kind, shape) of every hidden layer of a config's `layers` list ([{dense: 256}, ...])."""
-    out = []
-    for entry in layers:
+def layer_shapes(
+    input_shape: tuple[int, ...], layers: list[dict[str, Any]]
+) -> list[tuple[str, object, tuple[int, ...]]]:
+    """(kind, spec, shape) of every hidden layer of a config's `layers` list ([{dense: 256}, ...]) above an input of
+    `input_shape` ((D,) flat, (C, H, W) an image); a layer that cannot sit on the one below is a ValueError naming
+    it."""
+    out, below = [], input_shape
+    for i, entry in enumerate(layers):
         ((kind, spec),) = entry.items()
-        out.append((kind, KINDS[kind].spec_size(spec)))
+        try:
+            below = KINDS[kind].spec_size(spec, below)
+        except ValueError as e:
+            raise ValueError(f"layer {i} ({kind}): {e}") from None
+        out.append((kind, spec, below))
     return out
 
 
@@ -85,14 +93,14 @@ def init_energy(
 ) -> Energy:
     """The chain input -> hidden layers -> q, each coupling initialised by its kind from `gen` in chain order; the
     coupling into q is dense and shrunk by out_scale, so the energy starts convex."""
-    hidden = layer_shapes(layers)
-    shapes = [input_shape, *(shape for _, shape in hidden), (n,)]
-    kinds = [kind for kind, _ in hidden] + ["dense"]
+    hidden = layer_shapes(input_shape, layers)
+    belows = [input_shape, *(shape for _, _, shape in hidden)]
+    entries = [(kind, spec) for kind, spec, _ in hidden] + [("dense", n)]
     couplings = []
-    for i, kind in enumerate(kinds):
-        last = i == len(kinds) - 1
+    for i, ((kind, spec), below) in enumerate(zip(entries, belows)):
+        last = i == len(entries) - 1
         name = "out" if last else str(i + 1)
-        couplings.append(KINDS[kind].init(name, shapes[i], shapes[i + 1], out_scale if last else 1.0, gen, dtype))
+        couplings.append(KINDS[kind].init(name, below, spec, out_scale if last else 1.0, gen, dtype))
     return Energy(tuple(couplings))
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.config import TrainConfig
+from trainer2.config import ConfigError, TrainConfig
 from trainer2.physics.energy import Energy, init_energy
 from trainer2.physics.readout import Candidates, ReadoutParams, RotorLayout, rotor_layout
 
@@ -57,13 +57,24 @@ class Machine:
         return Candidates(protos, labels, torch.zeros(self.num_classes, dtype=protos.dtype, device=protos.device))
 
 
-def build_machine(cfg: TrainConfig, num_classes: int, input_dim: int, text: bool, device: torch.device) -> Machine:
-    """Initialise a machine from the config, deterministically from cfg.seed. input_dim = context_len (text) or D."""
+def build_machine(
+    cfg: TrainConfig,
+    num_classes: int,
+    input_dim: int,
+    text: bool,
+    device: torch.device,
+    input_shape: tuple[int, ...] | None = None,
+) -> Machine:
+    """Initialise a machine from the config, deterministically from cfg.seed. input_dim = context_len (text) or D;
+    input_shape: the clamped input's (C, H, W) for image data (None: flat)."""
     dtype = getattr(torch, cfg.dtype)
     gen = torch.Generator().manual_seed(cfg.seed)
     emb = torch.randn(num_classes, cfg.embed_dim, generator=gen, dtype=dtype) if text else None
     x_dim = input_dim * cfg.embed_dim if text else input_dim
-    energy = init_energy((x_dim,), cfg.layers, cfg.coord_dim_n, cfg.out_init_scale, gen, dtype)
+    try:
+        energy = init_energy(input_shape or (x_dim,), cfg.layers, cfg.coord_dim_n, cfg.out_init_scale, gen, dtype)
+    except ValueError as e:  # a layer that cannot sit on the one below it (a conv above flat data)
+        raise ConfigError(f"layers: {e}") from None
     n = cfg.coord_dim_n
     readout = ReadoutParams(
         g_diag=torch.ones(n, dtype=dtype),

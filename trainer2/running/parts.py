@@ -53,7 +53,7 @@ def build_parts(
         data = load_text_or_features(cfg.data, cfg.context_len, cfg.heldout_fraction, cfg.token_cache)
     text = data.kind == "text"
     check_sizes(cfg, data.num_classes, data.input_dim, text, data.num_examples("train"), world, device)
-    machine = build_machine(cfg, data.num_classes, data.input_dim, text, device)
+    machine = build_machine(cfg, data.num_classes, data.input_dim, text, device, data.input_shape)
     rows = cfg.batch_size if batch is None else batch
     memory = (
         MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, rows, machine.readout.protos)

@@ -30,23 +30,18 @@ class Dense:
         object.__setattr__(self, "wt", self.weight.T)
 
     @staticmethod
-    def spec_size(spec: object) -> tuple[int, ...]:
-        """The shape of the layer a `{dense: N}` entry of the config makes: (N,)."""
+    def spec_size(spec: object, below: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """The shape of the layer a `{dense: N}` entry of the config makes above any layer: (N,)."""
         if isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
             raise ValueError(f"a dense layer's size must be an integer >= 1, got {spec!r}")
         return (spec,)
 
     @staticmethod
     def init(
-        name: str,
-        below: tuple[int, ...],
-        above: tuple[int, ...],
-        scale: float,
-        gen: torch.Generator,
-        dtype: torch.dtype,
+        name: str, below: tuple[int, ...], spec: object, scale: float, gen: torch.Generator, dtype: torch.dtype
     ) -> "Dense":
-        """Uniform(+-scale/sqrt(fan_in)) weights, zero bias."""
-        fan_in, fan_out = math.prod(below), math.prod(above)
+        """Uniform(+-scale/sqrt(fan_in)) weights, zero bias; a (C, H, W) layer below is seen flat."""
+        fan_in, fan_out = math.prod(below), math.prod(Dense.spec_size(spec))
         bound = 1.0 / math.sqrt(fan_in) * scale
         weight = (torch.rand(fan_out, fan_in, generator=gen, dtype=dtype) * 2 - 1) * bound
         return Dense(name, weight, torch.zeros(fan_out, dtype=dtype))

@@ -1,0 +1,152 @@
+"""The convolutional coupling: its pulls, EP statistic and spectral cap against autograd and explicit matrices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny import tiny_config
+
+from benchmarks.autograd_reference import cosine, exact_grads_energy
+from trainer2.config import ConfigError, TrainConfig
+from trainer2.learning.gradients import ep_gradients
+from trainer2.physics.couplings import Conv
+from trainer2.physics.machine import build_machine
+from trainer2.physics.relaxation import Relaxation
+
+F64 = torch.float64
+# (below shape, spec): pooling that divides the image, that drops a row and column (9 by 2), stride-1 (pool 1), pool 3
+CASES = [
+    ((2, 8, 8), {"channels": 3, "kernel": 3, "pool": 2}),
+    ((1, 9, 9), {"channels": 2, "kernel": 5, "pool": 2}),
+    ((3, 5, 5), {"channels": 2, "kernel": 3}),
+    ((2, 9, 7), {"channels": 2, "kernel": 3, "pool": 3}),
+]
+IDS = ["pool2", "pool2_odd", "pool1", "pool3"]
+
+
+def make(below, spec, seed: int = 0) -> Conv:
+    c = Conv.init("1", below, spec, 1.0, torch.Generator().manual_seed(seed), F64)
+    c.bias_.copy_(torch.randn(c.bias_.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=F64))
+    return c
+
+
+def rand(rows: int, size: int, seed: int) -> torch.Tensor:
+    return torch.rand(rows, size, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def matrix(c: Conv) -> torch.Tensor:
+    """A as an explicit (above, below) matrix: its columns are A applied to the unit vectors."""
+    return c.apply(torch.eye(math.prod(c.below_shape), dtype=F64), None).flatten(1).T
+
+
+@pytest.mark.parametrize("below,spec", CASES, ids=IDS)
+def test_every_pull_is_minus_the_energy_terms_gradient(below, spec):
+    c = make(below, spec)
+    lo, hi = rand(4, math.prod(c.below_shape), 2), rand(4, c.power_size, 3)
+    lo.requires_grad_(True), hi.requires_grad_(True)
+    d_lo, d_hi = torch.autograd.grad(c.energy(lo, hi).sum(), [lo, hi])
+    lo, hi = lo.detach(), hi.detach()
+    base = rand(4, lo.shape[1], 4)
+    torch.testing.assert_close(c.up(lo, torch.empty_like(hi)), -d_hi)
+    torch.testing.assert_close(c.add_up(lo, base[:, :1].expand(4, hi.shape[1]).clone()), -d_hi - c.bias + base[:, :1])
+    torch.testing.assert_close(c.down(hi, base, torch.empty_like(lo)), base - d_lo)
+    torch.testing.assert_close(c.add_down(hi, base.clone()), base - d_lo)
+    assert d_lo.norm() > 0 and (d_hi + c.bias).norm() > 0  # nothing trivially zero
+
+
+@pytest.mark.parametrize("below,spec", CASES, ids=IDS)
+def test_ep_statistic_is_the_difference_of_the_energy_terms_parameter_gradients(below, spec):
+    """ep_grads = scale (dE/dtheta(s+) - dE/dtheta(s-)) exactly, and the clamped form's gradient in x matches too."""
+    c, scale = make(below, spec), 0.37
+    size = math.prod(c.below_shape)
+    bp, bm, ap, am = rand(3, size, 5), rand(3, size, 6), rand(3, c.power_size, 7), rand(3, c.power_size, 8)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in c.parameters().items()}
+    cl = c.rebind(leaves)
+    gp = torch.autograd.grad(cl.energy(bp, ap).sum(), list(leaves.values()))
+    gm = torch.autograd.grad(cl.energy(bm, am).sum(), list(leaves.values()))
+    want = {k: scale * (p - m) for k, p, m in zip(leaves, gp, gm)}
+    got = c.ep_grads((bp, ap), (bm, am), scale)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
+    x = bp.clone().requires_grad_(True)
+    gp = torch.autograd.grad(cl.energy(x, ap).sum(), [*leaves.values(), x])
+    gm = torch.autograd.grad(cl.energy(x, am).sum(), [*leaves.values(), x])
+    got, gx = c.ep_grads_clamped(bp, ap, am, scale)
+    for k, p, m in zip(leaves, gp, gm):
+        torch.testing.assert_close(got[k], scale * (p - m))
+    torch.testing.assert_close(gx, scale * (gp[-1] - gm[-1]))
+
+
+@pytest.mark.parametrize("below,spec", CASES, ids=IDS)
+def test_spectral_cap_bounds_the_operator_norm_of_the_explicit_matrix(below, spec):
+    c = make(below, spec)
+    c.weight.mul_(5.0)  # well above the cap
+    norm = torch.linalg.matrix_norm(matrix(c), ord=2)
+    u = torch.ones(c.power_size, dtype=F64)
+    for _ in range(200):
+        c.cap_power(0.5, u)
+    capped = torch.linalg.matrix_norm(matrix(c), ord=2)
+    assert norm > 1.0 and 0.5 * (1 - 1e-3) < capped < 0.5 * (1 + 1e-3), (norm, capped)
+    c = make(below, spec)
+    c.weight.mul_(5.0)
+    c.cap_exact(0.5)
+    assert 0.5 * (1 - 1e-3) < torch.linalg.matrix_norm(matrix(c), ord=2) < 0.5 * (1 + 1e-3)
+    c.cap_exact(10.0)  # a cap above the norm leaves the coupling alone
+    assert torch.linalg.matrix_norm(matrix(c), ord=2) < 0.5 * (1 + 1e-3)
+
+
+@pytest.mark.parametrize(
+    "spec,error",
+    [
+        (16, "must be a mapping"),
+        ({"kernel": 3}, "needs `channels`"),
+        ({"channels": 4, "kernel": 4}, "must be odd"),
+        ({"channels": 4, "stride": 2}, "unknown conv key"),
+        ({"channels": 0}, "channels must be an integer >= 1"),
+        ({"channels": 2, "pool": True}, "pool must be an integer"),
+    ],
+    ids=["int", "no_channels", "even_kernel", "unknown_key", "zero_channels", "bool_pool"],
+)
+def test_config_refuses_a_malformed_conv_entry(spec, error):
+    with pytest.raises(ValueError, match=error):
+        TrainConfig(layers=[{"conv": spec}])
+
+
+def test_conv_above_flat_data_is_a_config_error_naming_the_layer():
+    cfg = TrainConfig(layers=[{"dense": 8}, {"conv": {"channels": 2}}])
+    with pytest.raises(ConfigError, match=r"layers: layer 1 \(conv\): a conv layer needs an image-shaped layer"):
+        build_machine(cfg, 3, 12, False, torch.device("cpu"), (3, 2, 2))
+
+
+def conv_machine(layers, image=(2, 6, 6), **overrides):
+    cfg = TrainConfig(**{**tiny_config().model_dump(), "layers": layers, **overrides})
+    m = build_machine(cfg, 5, math.prod(image), False, torch.device("cpu"), image)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for c in m.energy.couplings:
+            c.bias_.copy_(torch.randn(c.bias_.shape, generator=gen, dtype=F64) * 0.3)
+        m.readout.theta.copy_(torch.randn(m.readout.theta.shape, generator=gen, dtype=F64))
+        m.readout.g_diag.copy_(torch.rand(m.readout.g_diag.shape, generator=gen, dtype=F64) * 1.5 + 0.5)
+    x = torch.rand(cfg.batch_size, math.prod(image), generator=gen, dtype=F64)
+    return cfg, m, x, torch.randint(0, 5, (cfg.batch_size,), generator=gen)
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        [{"conv": {"channels": 3, "kernel": 3, "pool": 2}}],
+        [{"conv": {"channels": 3, "kernel": 3, "pool": 2}}, {"conv": {"channels": 2, "kernel": 3}}, {"dense": 6}],
+    ],
+    ids=["conv", "conv_conv_dense"],
+)
+def test_symmetric_ep_matches_autograd_for_a_conv_machine(layers):
+    cfg, m, x, y = conv_machine(layers, beta_nudge=1e-2, free_steps=60, nudge_steps=60)
+    with torch.no_grad():
+        est = ep_gradients(Relaxation(m, cfg, cfg.batch_size), x, y).grads
+    ref = exact_grads_energy(m, x, y, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+    assert set(est) == set(m.named_params())
+    for name, g in est.items():
+        assert ref[name].norm() > 0, name
+        assert cosine(g, ref[name]) > 0.999, (name, cosine(g, ref[name]))

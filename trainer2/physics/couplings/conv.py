@@ -1,0 +1,220 @@
+"""A convolutional coupling: a stride-1, same-padded convolution of the layer below, average-pooled into the layer
+above.
+
+    E_c(below, above) = -above . (A below + b),   A = avgpool_p o conv_K,   K (C_out, C_in, k, k), b (C_out,)
+
+Layers are (C, H, W) images stored as (R, C*H*W) rows. A is linear, so the energy term is bilinear like a dense one.
+Pooling p x p after a k x k convolution is one convolution of stride p with the (k+p-1)^2 kernel K' = K * box_p / p^2
+(the box filter's full convolution with K), so the pull on the layer above is conv2d(below, K', stride p) + b, and the
+pull on the layer below is its adjoint, conv_transpose2d(above, K', stride p). The EP statistic is the correlation
+of the two layers (unfold and a product), carried back from K' to K by the box filter's adjoint. The spectral cap is
+power iteration on A itself. Each pull allocates its convolution's output (torch has no out= convolution), and the
+adjoint one channels-last copy of its input; nothing syncs with the host or branches on a value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SPEC_KEYS = {"channels", "kernel", "pool"}
+EXACT_ITERS = 500  # power-iteration steps of the build-time cap: a conv's top singular values crowd together
+
+
+@dataclass(frozen=True)
+class Conv:
+    """W_<name> (C_out, C_in, k, k) and b_<name> (C_out,), from a (C_in, H, W) layer to (C_out, H // p, W // p)."""
+
+    kind: ClassVar[str] = "conv"  # the name the config's layers use
+    name: str
+    weight: Tensor
+    bias_: Tensor
+    pool: int
+    below_shape: tuple[int, ...]
+    above_shape: tuple[int, ...]
+
+    @staticmethod
+    def spec_size(spec: object, below: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """The shape of the layer a `{conv: {channels: C, kernel: k, pool: p}}` entry makes above a (C_in, H, W)
+        layer: (C, H // p, W // p); without `below`, only the spec is checked and (C,) returned."""
+        channels, kernel, pool = parse_spec(spec)
+        if below is None:
+            return (channels,)
+        if len(below) != 3:
+            raise ValueError(
+                f"a conv layer needs an image-shaped layer (C, H, W) below it, got shape {below} "
+                "(image data gives (C, H, W); a dense layer or feature vectors are flat)"
+            )
+        _, h, w = below
+        if h < pool or w < pool:
+            raise ValueError(f"pool {pool} is larger than the {h}x{w} image below it")
+        return (channels, h // pool, w // pool)
+
+    @staticmethod
+    def init(
+        name: str, below: tuple[int, ...], spec: object, scale: float, gen: torch.Generator, dtype: torch.dtype
+    ) -> "Conv":
+        """Uniform(+-scale/sqrt(C_in k^2)) kernels, zero bias."""
+        channels, kernel, pool = parse_spec(spec)
+        above = Conv.spec_size(spec, below)
+        bound = scale / math.sqrt(below[0] * kernel * kernel)
+        weight = (torch.rand(channels, below[0], kernel, kernel, generator=gen, dtype=dtype) * 2 - 1) * bound
+        return Conv(name, weight, torch.zeros(channels, dtype=dtype), pool, tuple(below), above)
+
+    @property
+    def bias(self) -> Tensor:
+        """(C_out H' W',) the bias broadcast over each channel's pixels (a new tensor; not the parameter)."""
+        return self.bias_.repeat_interleave(self.above_shape[1] * self.above_shape[2])
+
+    def parameters(self) -> dict[str, Tensor]:
+        return {f"W_{self.name}": self.weight, f"b_{self.name}": self.bias_}
+
+    def decayed(self) -> frozenset[str]:
+        return frozenset({f"W_{self.name}"})
+
+    def rebind(self, named: dict[str, Tensor]) -> "Conv":
+        return replace(self, weight=named[f"W_{self.name}"], bias_=named[f"b_{self.name}"])
+
+    # --- the operator A and its adjoint ---
+
+    @property
+    def padding(self) -> int:
+        return self.weight.shape[-1] // 2
+
+    @property
+    def output_padding(self) -> tuple[int, int]:
+        """Rows and columns the pooling drops (H mod p, W mod p): the adjoint gives them back as zeros' pull."""
+        _, h, w = self.below_shape
+        return (h - self.above_shape[1] * self.pool, w - self.above_shape[2] * self.pool)
+
+    def pooled_kernel(self) -> Tensor:
+        """K' (C_out, C_in, k+p-1, k+p-1) = K convolved with the p x p box / p^2: conv then avgpool as one conv."""
+        p = self.pool
+        if p == 1:
+            return self.weight
+        return F.avg_pool2d(F.pad(self.weight, (p - 1,) * 4), p, stride=1)
+
+    def apply(self, below: Tensor, bias: Tensor | None) -> Tensor:
+        """A below (+ b) as (R, C_out, H', W') from below (R, C_in H W)."""
+        x = below.view(below.shape[0], *self.below_shape)
+        return F.conv2d(x, self.pooled_kernel(), bias, stride=self.pool, padding=self.padding)
+
+    def adjoint(self, above: Tensor) -> Tensor:
+        """A^T above as (R, C_in, H, W) (channels-last strides) from above (R, C_out H' W'). The transposed
+        convolution takes its input channels-last: on the CPU that is oneDNN's path, about 3x faster than the
+        default one (benchmarks/conv_speed.py), for one copy of the (smaller) upper layer."""
+        a = above.view(above.shape[0], *self.above_shape).contiguous(memory_format=torch.channels_last)
+        return F.conv_transpose2d(
+            a, self.pooled_kernel(), stride=self.pool, padding=self.padding, output_padding=self.output_padding
+        )
+
+    def image(self, t: Tensor) -> Tensor:
+        """A (R, C_in H W) row block of the layer below viewed as (R, C_in, H, W)."""
+        return t.view(t.shape[0], *self.below_shape)
+
+    # --- pulls (the fixed-point sweep and the forces) ---
+
+    def up(self, below: Tensor, out: Tensor) -> Tensor:
+        return out.copy_(self.apply(below, self.bias_).view(out.shape))
+
+    def add_up(self, below: Tensor, out: Tensor) -> Tensor:
+        return out.add_(self.apply(below, None).view(out.shape))
+
+    def down(self, above: Tensor, base: Tensor, out: Tensor) -> Tensor:
+        torch.add(self.image(base), self.adjoint(above), out=self.image(out))
+        return out
+
+    def add_down(self, above: Tensor, out: Tensor) -> Tensor:
+        self.image(out).add_(self.adjoint(above))
+        return out
+
+    def energy(self, below: Tensor, above: Tensor) -> Tensor:
+        """Written as the textbook conv then pool (not the fused kernel), so tests check one against the other."""
+        x = below.reshape(below.shape[0], *self.below_shape)
+        z = F.avg_pool2d(F.conv2d(x, self.weight, self.bias_, padding=self.padding), self.pool)
+        return -(above * z.flatten(1)).sum(1)
+
+    # --- learning ---
+
+    def correlation(self, above: Tensor, below: Tensor) -> Tensor:
+        """sum over rows of above (x) below as the gradient of above . (A below) in K (C_out, C_in, k, k)."""
+        rows, ke = below.shape[0], self.weight.shape[-1] + self.pool - 1
+        cols = F.unfold(below.reshape(rows, *self.below_shape), ke, padding=self.padding, stride=self.pool)
+        a = above.reshape(rows, self.above_shape[0], -1)
+        g = torch.einsum("rol,rdl->od", a, cols).view(self.weight.shape[0], self.weight.shape[1], ke, ke)
+        # K' is linear in K (the box filter); its adjoint is the p x p box sum / p^2 at stride 1.
+        return g if self.pool == 1 else F.avg_pool2d(g, self.pool, stride=1)
+
+    def channel_sum(self, above: Tensor) -> Tensor:
+        """(C_out,) the sum of `above` over rows and pixels: the gradient of above . b in b."""
+        return above.reshape(above.shape[0], self.above_shape[0], -1).sum((0, 2))
+
+    def ep_grads(self, plus: tuple[Tensor, Tensor], minus: tuple[Tensor, Tensor], scale: float) -> dict[str, Tensor]:
+        """-dE/dK is the correlation of above with below, so the statistic is scale (corr(s-) - corr(s+)): one
+        correlation over the rows of both phases, the plus phase's upper layer negated."""
+        (bp, ap), (bm, am) = plus, minus
+        gw = self.correlation(torch.cat([am, ap.neg()]), torch.cat([bm, bp])).mul_(scale)
+        return {f"W_{self.name}": gw, f"b_{self.name}": self.channel_sum(torch.sub(am, ap)).mul_(scale)}
+
+    def ep_grads_clamped(
+        self, x: Tensor, plus: Tensor, minus: Tensor, scale: float
+    ) -> tuple[dict[str, Tensor], Tensor]:
+        """Both phases share x, so the kernel statistic is one correlation of (above- - above+) with x."""
+        d = torch.sub(minus, plus).mul_(scale)
+        grads = {f"W_{self.name}": self.correlation(d, x), f"b_{self.name}": self.channel_sum(d)}
+        return grads, self.adjoint(d).reshape(d.shape[0], -1)
+
+    # --- stability: the spectral cap ---
+
+    @property
+    def power_size(self) -> int:
+        return math.prod(self.above_shape)
+
+    def power_step(self, u: Tensor) -> Tensor:
+        """One normalised step u <- A A^T u / |A A^T u| (in place); returns sigma = |A v| for v = A^T u / |A^T u|."""
+        v = self.adjoint(u.view(1, -1)).reshape(-1)
+        v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
+        u.copy_(self.apply(v.view(1, -1), None).flatten())
+        sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)
+        u.div_(sigma)
+        return sigma
+
+    def cap_exact(self, cap: float) -> None:
+        """Power iteration to convergence from a fixed random vector (at build, once; a conv's matrix is too big to
+        factor): within 1e-3 of the norm at the tested sizes, and the per-update cap keeps converging from there."""
+        gen = torch.Generator().manual_seed(0)
+        u = torch.randn(self.power_size, generator=gen, dtype=self.weight.dtype).to(self.weight.device)
+        for _ in range(EXACT_ITERS):
+            sigma = self.power_step(u)
+        norm = float(sigma)
+        if norm > cap:
+            self.weight.mul_(cap / norm)
+
+    def cap_power(self, cap: Tensor | float, u: Tensor) -> None:
+        for _ in range(2):
+            sigma = self.power_step(u)
+        self.weight.mul_(torch.div(cap, sigma).clamp_(max=1.0))
+
+
+def parse_spec(spec: object) -> tuple[int, int, int]:
+    """(channels, kernel, pool) of a conv entry's spec {channels: C, kernel: k (odd, default 3), pool: p (default
+    1)}."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"a conv layer's spec must be a mapping {{channels: C, kernel: k, pool: p}}, got {spec!r}")
+    unknown = sorted(set(spec) - SPEC_KEYS)
+    if unknown:
+        raise ValueError(f"unknown conv key(s) {unknown}; expected {sorted(SPEC_KEYS)}")
+    if "channels" not in spec:
+        raise ValueError("a conv layer needs `channels` (the number of feature maps)")
+    values = {"channels": spec["channels"], "kernel": spec.get("kernel", 3), "pool": spec.get("pool", 1)}
+    for key, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"conv {key} must be an integer >= 1, got {v!r}")
+    if values["kernel"] % 2 == 0:
+        raise ValueError(f"conv kernel must be odd (same padding is symmetric only then), got {values['kernel']}")
+    return values["channels"], values["kernel"], values["pool"]
