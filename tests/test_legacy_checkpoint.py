@@ -18,7 +18,12 @@ REPO = LEGACY.parent.parent.parent  # the checkpoint names its corpus relative t
 
 @pytest.fixture
 def legacy_run(tmp_path, monkeypatch) -> Path:
-    monkeypatch.chdir(REPO)
+    # The checkpoint names its corpus as tests/data/main_dc24e50/corpus.txt: a copy there, under a temporary working
+    # directory, so the token cache a run makes beside the corpus never lands in the source tree.
+    corpus = LEGACY.relative_to(REPO) / "corpus.txt"
+    (tmp_path / corpus).parent.mkdir(parents=True)
+    shutil.copy2(REPO / corpus, tmp_path / corpus)
+    monkeypatch.chdir(tmp_path)
     run = tmp_path / "ck" / "legacy"
     shutil.copytree(LEGACY / "legacy", run)
     return run
