@@ -14,6 +14,15 @@ from trainer2.physics.machine import Machine
 from trainer2.physics.readout import rotor_layers, rotor_matrix
 
 
+def leapfrog_step(
+    s: list[Tensor], p: list[Tensor], force: list[Tensor], dt: float, gamma: float, mass: float
+) -> tuple[list[Tensor], list[Tensor]]:
+    """One damped-leapfrog step of (positions, momenta) under `force`, the hidden layers boxed to [0, 1], q free."""
+    p = [(1 - gamma * dt) * pi + dt * fi for pi, fi in zip(p, force)]
+    s = [si + dt * pi / mass for si, pi in zip(s, p)]
+    return [si.clamp(0.0, 1.0) if i < len(s) - 1 else si for i, si in enumerate(s)], p
+
+
 def relax(
     x: Tensor, weights: list[Tensor], biases: list[Tensor], steps: int, dt: float, gamma: float, mass: float
 ) -> list[Tensor]:
@@ -28,9 +37,7 @@ def relax(
             if i + 1 < len(s):
                 f = f + s[i + 1] @ weights[i + 1]
             force.append(f)
-        p = [(1 - gamma * dt) * pi + dt * fi for pi, fi in zip(p, force)]
-        s = [si + dt * pi / mass for si, pi in zip(s, p)]
-        s = [si.clamp(0.0, 1.0) if i < len(s) - 1 else si for i, si in enumerate(s)]
+        s, p = leapfrog_step(s, p, force, dt, gamma, mass)
     return s
 
 
@@ -90,9 +97,7 @@ def relax_energy(x: Tensor, e: Energy, steps: int, dt: float, gamma: float, mass
     for _ in range(steps):
         s = [t if t.requires_grad else t.requires_grad_(True) for t in s]
         force = [-g for g in torch.autograd.grad(energy(s, x, e).sum(), s, create_graph=True)]
-        p = [(1 - gamma * dt) * pi + dt * fi for pi, fi in zip(p, force)]
-        s = [si + dt * pi / mass for si, pi in zip(s, p)]
-        s = [si.clamp(0.0, 1.0) if i < len(s) - 1 else si for i, si in enumerate(s)]
+        s, p = leapfrog_step(s, p, force, dt, gamma, mass)
     return s
 
 

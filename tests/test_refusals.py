@@ -182,6 +182,23 @@ def test_nothing_is_written_through_a_planted_symlink(tmp_path, small_text, caps
     assert rc in (0, 2, 74) and (rc == 0) == planted.endswith(".tmp")  # a leftover tmp link is removed, not followed
 
 
+def test_tensorboard_and_plots_are_not_written_through_a_planted_symlink(tmp_path, small_text, capsys):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("matplotlib")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    rd = run_dir(tmp_path, "tbl")
+    rd.mkdir(parents=True)
+    os.symlink(victim, rd / "tb")
+    assert main([*flags(tmp_path, small_text, run_name="tbl", max_windows=2), "--tensorboard"]) == 74
+    assert "is a symbolic link" in capsys.readouterr().err and list(victim.iterdir()) == []
+    assert main(flags(tmp_path, small_text, run_name="plotl", max_windows=2)) == 0
+    os.symlink(victim, run_dir(tmp_path, "plotl") / "plots")
+    assert main(["plot", str(run_dir(tmp_path, "plotl"))]) == 74
+    err = capsys.readouterr().err
+    assert "is a symbolic link" in err and "Traceback" not in err and list(victim.iterdir()) == []
+
+
 # --- 3. validation before allocation ---
 
 

@@ -420,6 +420,14 @@ def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def check_batch(num_examples: int, batch_size: int) -> None:
+    """Refuse a batch size a sampler over `num_examples` cannot draw."""
+    if batch_size < 1:
+        raise DataError(f"batch_size must be at least 1, got {batch_size}")
+    if batch_size > num_examples:
+        raise DataError(f"batch_size {batch_size} is larger than the number of examples {num_examples}")
+
+
 class Sampler:
     """Shuffled epochs of fixed-size batches over `num_examples`, driven by its own torch.Generator.
 
@@ -427,10 +435,7 @@ class Sampler:
     epoch and the position in it; the epoch's permutation is recomputed from them on load, never stored."""
 
     def __init__(self, num_examples: int, batch_size: int, seed: int) -> None:
-        if batch_size < 1:
-            raise DataError(f"batch_size must be at least 1, got {batch_size}")
-        if batch_size > num_examples:
-            raise DataError(f"batch_size {batch_size} is larger than the number of examples {num_examples}")
+        check_batch(num_examples, batch_size)
         self.num_examples = num_examples
         self.batch_size = batch_size
         self.batches_per_epoch = num_examples // batch_size

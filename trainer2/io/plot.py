@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer2.io.safeio import refuse_links
 from trainer2.io.telemetry import TELEMETRY_FILE, TelemetryError, read_telemetry
 
 # One figure per entry: file name, title, y label, log scale, the telemetry keys drawn.
@@ -52,6 +53,7 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     if not rows:
         raise TelemetryError(f"{run_dir / TELEMETRY_FILE}: no rows yet; a run writes one per log interval")
     out_dir = out_dir or run_dir / "plots"
+    refuse_links(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     timing = tuple(k for k in rows[-1] if k.startswith("time_") and k.endswith("_ms"))
     panels = PANELS + ((("timing.png", "time per window by phase", "ms / window", False, timing),) if timing else ())
@@ -70,6 +72,7 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         if ax.lines:
             ax.legend()
         path = out_dir / name
+        refuse_links(path)  # savefig would write through a link to wherever it points
         fig.savefig(path, dpi=100)
         written.append(path)
     return written

@@ -17,6 +17,13 @@ def link_refused(path: Path | str) -> OSError:
     )
 
 
+def refuse_links(*paths: Path) -> None:
+    """Refuse a symbolic link at any of `paths` (a directory or file a run is about to write into or over)."""
+    for path in paths:
+        if path.is_symlink():
+            raise link_refused(path)
+
+
 def nofollow_open(path: str, flags: int) -> int:
     """An `opener` for open(): the file descriptor, refusing a symbolic link as the last component."""
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from trainer2.io.data import DataError
+from trainer2.io.data import DataError, check_batch
 from trainer2.io.data import Sampler as RandpermSampler
 
 FORMAT = 2  # sampler state format: 1 = torch.randperm epochs (checkpoints before issue 26), 2 = this Feistel sampler
@@ -75,10 +75,7 @@ class Sampler:
     trainer2 before issue 26) continues with that sampler, in the same order as before."""
 
     def __init__(self, num_examples: int, batch_size: int, seed: int) -> None:
-        if batch_size < 1:
-            raise DataError(f"batch_size must be at least 1, got {batch_size}")
-        if batch_size > num_examples:
-            raise DataError(f"batch_size {batch_size} is larger than the number of examples {num_examples}")
+        check_batch(num_examples, batch_size)
         self.num_examples = num_examples
         self.batch_size = batch_size
         self.batches_per_epoch = num_examples // batch_size

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer2.config import ConfigError, TrainConfig
+from trainer2.io.safeio import refuse_links
 
 TB_DIR = "tb"
 MISSING_TENSORBOARD = (
@@ -73,6 +74,7 @@ class TensorBoardLog:
 
     def __init__(self, run_dir: Path, start_window: int) -> None:
         writer = summary_writer_class()
+        refuse_links(run_dir / TB_DIR)  # its event files would land wherever a planted link points
         self.writer = writer(log_dir=str(run_dir / TB_DIR), purge_step=start_window + 1)
 
     def write(self, row: dict[str, Any]) -> None:
