@@ -199,6 +199,18 @@ def test_tensorboard_and_plots_are_not_written_through_a_planted_symlink(tmp_pat
     assert "is a symbolic link" in err and "Traceback" not in err and list(victim.iterdir()) == []
 
 
+def test_the_profiler_trace_is_not_written_through_a_planted_symlink(tmp_path, small_text, capsys):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    rd = run_dir(tmp_path, "prof")
+    rd.mkdir(parents=True)
+    os.symlink(victim, rd / "profile_trace.json")
+    argv = [*flags(tmp_path, small_text, run_name="prof", max_windows=10), "--profile_windows", "2"]
+    assert main(argv) == 74
+    err = capsys.readouterr().err
+    assert "is a symbolic link" in err and "Traceback" not in err and victim.read_text() == "precious"
+
+
 # --- 3. validation before allocation ---
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from trainer2.io.safeio import refuse_links
+
 PHASES = (
     "data",
     "free",
@@ -146,6 +148,7 @@ class WindowProfiler:
         self.timer.label = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         trace, table = self.run_dir / "profile_trace.json", self.run_dir / "profile_top_ops.txt"
+        refuse_links(trace, table)  # both are written in place: a planted link would carry them elsewhere
         self.prof.export_chrome_trace(str(trace))
         avg = self.prof.key_averages()
         parts = []
