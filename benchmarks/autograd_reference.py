@@ -70,7 +70,10 @@ def exact_grads(
     beta_r: float,
     eps: float,
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """Autograd gradient of the batch-mean loss at the free equilibrium for every named parameter, and the loss."""
+    """Autograd gradient of the batch-mean loss at the free equilibrium for every named parameter, and the loss. A
+    machine with couplings other than dense (a conv machine on images) goes through `exact_grads_energy`."""
+    if any(c.kind != "dense" for c in machine.energy.couplings):
+        return exact_grads_energy(machine, inputs, targets, steps, dt, gamma, mass, beta_r, eps)
     names = list(machine.named_params())
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
     with torch.enable_grad():
@@ -111,14 +114,16 @@ def exact_grads_energy(
     mass: float,
     beta_r: float,
     eps: float,
-) -> dict[str, Tensor]:
-    """As `exact_grads` for a feature or image machine (x (B, D) clamped) whose couplings may be of any kind."""
+) -> tuple[dict[str, Tensor], Tensor]:
+    """As `exact_grads` for a feature or image machine (x (B, D) clamped) whose couplings may be of any kind: the
+    gradients and the batch-mean loss."""
     names = list(machine.named_params())
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
     with torch.enable_grad():
+        x = machine.input_vectors(x)  # in the machine's dtype (feature and image rows load as float32)
         s = relax_energy(x, machine.energy.rebind(leaves), steps, dt, gamma, mass)
         loss = readout_loss(
             s[-1], targets, leaves["g_diag"], leaves["theta"], leaves["protos"], leaves["r_sc"], machine, beta_r, eps
         ).mean()
         grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
-    return {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}
+    return {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}, loss.detach()

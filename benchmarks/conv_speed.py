@@ -9,6 +9,7 @@ Interleaved rounds in one run; prints the median milliseconds of each and the ra
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -38,7 +39,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for below, spec in LAYERS:
         c = Conv.init("1", below, spec, 1.0, gen, torch.float32)
-        above = torch.rand(args.rows, c.power_size, generator=gen)
+        above = torch.rand(args.rows, math.prod(c.above_shape), generator=gen)
         lower = torch.rand(args.rows, below[0] * below[1] * below[2], generator=gen)
         out = torch.empty_like(lower)
 
@@ -50,7 +51,7 @@ def main() -> None:
             out.copy_(y.view(out.shape))
 
         def channels_last() -> None:
-            c.down(above, lower, out)
+            c.down(above, lower, lower, out)
 
         def up() -> None:
             c.up(lower, above)

@@ -32,6 +32,7 @@ from trainer2.config import ConfigError, TrainConfig  # noqa: E402
 from trainer2.flags import resolve_config  # noqa: E402
 from trainer2.io.data import DataError, Sampler, heldout_batches  # noqa: E402
 from trainer2.learning.gradients import StepResult  # noqa: E402
+from trainer2.physics.couplings import Conv, Coupling  # noqa: E402
 from trainer2.physics.machine import Machine, project_constraints  # noqa: E402
 from trainer2.physics.readout import ReadoutScratch, readout_frame, readout_loss_and_grads, target_mask  # noqa: E402
 from trainer2.physics.relaxation import Relaxation, WindowStats  # noqa: E402
@@ -75,12 +76,19 @@ def ff_forward(m: Machine, inputs: Tensor, act: str, head: list[Tensor] | None) 
     """Embedding -> act(W h + b) per hidden layer -> q (B, n); then logits (B, V) through `head` [weight (V, n),
     bias (V,)] when given, else q itself."""
     h = m.input_vectors(inputs)
-    ws, bs = m.energy.weights, m.energy.biases
-    for w, b in zip(ws[:-1], bs[:-1]):
-        z = h @ w.T + b
+    *hidden, out = m.energy.couplings
+    for c in hidden:
+        z = feed(c, h)
         h = z.clamp(0.0, 1.0) if act == "clamp" else torch.relu(z)
-    q = h @ ws[-1].T + bs[-1]
+    q = feed(out, h)
     return q @ head[0].T + head[1] if head is not None else q
+
+
+def feed(c: Coupling, h: Tensor) -> Tensor:
+    """The coupling's pull on the layer above, W h + b (a conv: the pooled convolution), as (B, size) with autograd."""
+    if isinstance(c, Conv):
+        return c.apply(h, c.bias_).flatten(1)
+    return h @ c.weight.T + c.bias_
 
 
 def ff_loss(
@@ -148,7 +156,8 @@ def train_feedforward(
             total += float(loss.sum())
             correct += int((probs.argmax(1) == targets).sum())
             count += len(idx)
-    return {"heldout_bpc": total / count / math.log(2), "heldout_acc": correct / count}
+    loss = total / count
+    return {"heldout_loss": loss, "heldout_bpc": loss / math.log(2), "heldout_acc": correct / count}
 
 
 def benchmark_config(preset: str, examples: int, flags: list[str], run_name: str = "quality") -> TrainConfig:

@@ -22,8 +22,10 @@ CASES = [
     ((1, 9, 9), {"channels": 2, "kernel": 5, "pool": 2}),
     ((3, 5, 5), {"channels": 2, "kernel": 3}),
     ((2, 9, 7), {"channels": 2, "kernel": 3, "pool": 3}),
+    ((2, 8, 8), {"channels": 3, "kernel": 3, "pool": 2, "pooling": "max"}),
+    ((1, 9, 7), {"channels": 2, "kernel": 5, "pool": 3, "pooling": "max"}),
 ]
-IDS = ["pool2", "pool2_odd", "pool1", "pool3"]
+IDS = ["pool2", "pool2_odd", "pool1", "pool3", "max2", "max3_odd"]
 
 
 def make(below, spec, seed: int = 0) -> Conv:
@@ -37,22 +39,22 @@ def rand(rows: int, size: int, seed: int) -> torch.Tensor:
 
 
 def matrix(c: Conv) -> torch.Tensor:
-    """A as an explicit (above, below) matrix: its columns are A applied to the unit vectors."""
-    return c.apply(torch.eye(math.prod(c.below_shape), dtype=F64), None).flatten(1).T
+    """The linear part L (A; conv_K under max pooling) as an explicit matrix: its columns are L of the unit vectors."""
+    return c.linear(torch.eye(math.prod(c.below_shape), dtype=F64)).T
 
 
 @pytest.mark.parametrize("below,spec", CASES, ids=IDS)
 def test_every_pull_is_minus_the_energy_terms_gradient(below, spec):
     c = make(below, spec)
-    lo, hi = rand(4, math.prod(c.below_shape), 2), rand(4, c.power_size, 3)
+    lo, hi = rand(4, math.prod(c.below_shape), 2), rand(4, math.prod(c.above_shape), 3)
     lo.requires_grad_(True), hi.requires_grad_(True)
     d_lo, d_hi = torch.autograd.grad(c.energy(lo, hi).sum(), [lo, hi])
     lo, hi = lo.detach(), hi.detach()
     base = rand(4, lo.shape[1], 4)
     torch.testing.assert_close(c.up(lo, torch.empty_like(hi)), -d_hi)
     torch.testing.assert_close(c.add_up(lo, base[:, :1].expand(4, hi.shape[1]).clone()), -d_hi - c.bias + base[:, :1])
-    torch.testing.assert_close(c.down(hi, base, torch.empty_like(lo)), base - d_lo)
-    torch.testing.assert_close(c.add_down(hi, base.clone()), base - d_lo)
+    torch.testing.assert_close(c.down(hi, lo, base, torch.empty_like(lo)), base - d_lo)
+    torch.testing.assert_close(c.add_down(hi, lo, base.clone()), base - d_lo)
     assert d_lo.norm() > 0 and (d_hi + c.bias).norm() > 0  # nothing trivially zero
 
 
@@ -61,7 +63,8 @@ def test_ep_statistic_is_the_difference_of_the_energy_terms_parameter_gradients(
     """ep_grads = scale (dE/dtheta(s+) - dE/dtheta(s-)) exactly, and the clamped form's gradient in x matches too."""
     c, scale = make(below, spec), 0.37
     size = math.prod(c.below_shape)
-    bp, bm, ap, am = rand(3, size, 5), rand(3, size, 6), rand(3, c.power_size, 7), rand(3, c.power_size, 8)
+    above = math.prod(c.above_shape)
+    bp, bm, ap, am = rand(3, size, 5), rand(3, size, 6), rand(3, above, 7), rand(3, above, 8)
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in c.parameters().items()}
     cl = c.rebind(leaves)
     gp = torch.autograd.grad(cl.energy(bp, ap).sum(), list(leaves.values()))
@@ -97,6 +100,23 @@ def test_spectral_cap_bounds_the_operator_norm_of_the_explicit_matrix(below, spe
     assert torch.linalg.matrix_norm(matrix(c), ord=2) < 0.5 * (1 + 1e-3)
 
 
+def test_capped_max_pooling_pull_moves_no_more_than_the_cap_allows():
+    """Max pooling is 1-Lipschitz, so capping conv_K at 0.5 bounds |up(x) - up(y)| by 0.5 |x - y|, and the bound is
+    nearly reached (the cap is not vacuous)."""
+    c = make((2, 8, 8), {"channels": 3, "kernel": 3, "pool": 2, "pooling": "max"})
+    c.weight.mul_(5.0)
+    c.cap_exact(0.5)
+    x = rand(64, 128, 11)
+    # y - x along L's top right-singular vector, so the linear part stretches it by the cap
+    v = torch.linalg.svd(matrix(c)).Vh[0]
+    y = x + 1e-4 * v
+    up = c.apply
+    ratios = (up(y, None) - up(x, None)).flatten(1).norm(dim=1) / (y - x).norm(dim=1)
+    assert ratios.max() <= 0.5 * (1 + 1e-3) and ratios.max() > 0.25, ratios
+    z = rand(64, 128, 12)
+    assert ((up(z, None) - up(x, None)).flatten(1).norm(dim=1) <= 0.5 * (1 + 1e-3) * (z - x).norm(dim=1)).all()
+
+
 @pytest.mark.parametrize(
     "spec,error",
     [
@@ -106,8 +126,9 @@ def test_spectral_cap_bounds_the_operator_norm_of_the_explicit_matrix(below, spe
         ({"channels": 4, "stride": 2}, "unknown conv key"),
         ({"channels": 0}, "channels must be an integer >= 1"),
         ({"channels": 2, "pool": True}, "pool must be an integer"),
+        ({"channels": 2, "pool": 2, "pooling": "min"}, r"conv pooling must be one of \['avg', 'max'\], got 'min'"),
     ],
-    ids=["int", "no_channels", "even_kernel", "unknown_key", "zero_channels", "bool_pool"],
+    ids=["int", "no_channels", "even_kernel", "unknown_key", "zero_channels", "bool_pool", "bad_pooling"],
 )
 def test_config_refuses_a_malformed_conv_entry(spec, error):
     with pytest.raises(ValueError, match=error):
@@ -138,14 +159,16 @@ def conv_machine(layers, image=(2, 6, 6), **overrides):
     [
         [{"conv": {"channels": 3, "kernel": 3, "pool": 2}}],
         [{"conv": {"channels": 3, "kernel": 3, "pool": 2}}, {"conv": {"channels": 2, "kernel": 3}}, {"dense": 6}],
+        [{"conv": {"channels": 3, "kernel": 3, "pool": 2, "pooling": "max"}}],
+        [{"conv": {"channels": 3, "kernel": 3}}, {"conv": {"channels": 2, "kernel": 3, "pool": 2, "pooling": "max"}}],
     ],
-    ids=["conv", "conv_conv_dense"],
+    ids=["conv", "conv_conv_dense", "max", "conv_max"],
 )
 def test_symmetric_ep_matches_autograd_for_a_conv_machine(layers):
     cfg, m, x, y = conv_machine(layers, beta_nudge=1e-2, free_steps=60, nudge_steps=60)
     with torch.no_grad():
         est = ep_gradients(Relaxation(m, cfg, cfg.batch_size), x, y).grads
-    ref = exact_grads_energy(m, x, y, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
+    ref, _ = exact_grads_energy(m, x, y, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
     assert set(est) == set(m.named_params())
     for name, g in est.items():
         assert ref[name].norm() > 0, name

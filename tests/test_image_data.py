@@ -6,6 +6,9 @@ from __future__ import annotations
 import gzip
 import math
 import pickle
+import sys
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -232,13 +235,15 @@ def test_the_conv_preset_runs_on_mnist_sized_images(tmp_path, capsys):
     assert "acc" in capsys.readouterr().out
 
 
-def test_a_conv_run_on_mnist_files_resumes_bitwise_identical(tmp_path, capsys):
-    """The kernels, power vectors and sampler of a conv machine on image data round-trip through a checkpoint."""
+@pytest.mark.parametrize("augment_shift,top", [("0", "{channels: 2}"), ("2", "{channels: 2, pool: 2, pooling: max}")])
+def test_a_conv_run_on_mnist_files_resumes_bitwise_identical(tmp_path, capsys, augment_shift, top):
+    """The kernels, power vectors and sampler of a conv machine (average or max pooling) on image data round-trip
+    through a checkpoint; the image shifts of a resumed run are the ones the uncut run drew."""
     write_mnist(tmp_path / "mnist", n_train=40)
     cfg = tmp_path / "conv.yaml"
     cfg.write_text(
-        "layers:\n  - conv: {channels: 3, kernel: 3, pool: 2}\n  - conv: {channels: 2}\n"
-    )  # power.0: a conv's
+        f"layers:\n  - conv: {{channels: 3, kernel: 3, pool: 2}}\n  - conv: {top}\n"
+    )  # power.0: the second conv's, over its 2x3x2 convolution (before a max pooling)
     common = [
         "--data",
         str(tmp_path / "mnist"),
@@ -256,6 +261,8 @@ def test_a_conv_run_on_mnist_files_resumes_bitwise_identical(tmp_path, capsys):
         "4",
         "--nudge_steps",
         "2",
+        "--augment_shift",
+        augment_shift,
     ]
     assert main([*common, "--run_name", "whole", "--max_windows", "8"]) == 0
     assert main([*common, "--run_name", "cut", "--max_windows", "4"]) == 0
@@ -276,3 +283,63 @@ def test_a_conv_run_on_mnist_files_resumes_bitwise_identical(tmp_path, capsys):
     )
     for k in whole:
         assert torch.equal(whole[k], cut[k]), k
+
+
+class _FakeSet:
+    """Stands in for a torchvision data set class: the arrays it keeps in memory, and its refusal without files."""
+
+    def __init__(self, root, download, train=True, split=None, *, hwc=False, labels="targets"):
+        assert download is False  # trainer2 never asks torchvision to download
+        if not (Path(root) / "present").exists():
+            raise RuntimeError("Dataset not found. You can use download=True to download it")
+        n = 7 if (train and split != "test") else 3
+        rng = np.random.default_rng(n)
+        shape = (n, 5, 4, 3) if hwc else (n, 5, 4)
+        data = rng.integers(0, 256, shape).astype(np.uint8)
+        self.data = data if hwc else torch.from_numpy(data)  # as torchvision keeps them: CIFAR numpy, MNIST tensor
+        setattr(self, labels, list(rng.integers(0, 3, n)))
+
+
+@pytest.fixture
+def fake_torchvision(monkeypatch):
+    """A `torchvision.datasets` module with MNIST (tensor [N, H, W]) and CIFAR10 (numpy [N, H, W, C]) look-alikes."""
+    datasets = types.ModuleType("torchvision.datasets")
+    datasets.MNIST = lambda root, download, **kw: _FakeSet(root, download, **kw)
+    datasets.CIFAR10 = lambda root, download, **kw: _FakeSet(root, download, hwc=True, **kw)
+    package = types.ModuleType("torchvision")
+    package.datasets = datasets
+    monkeypatch.setitem(sys.modules, "torchvision", package)
+    monkeypatch.setitem(sys.modules, "torchvision.datasets", datasets)
+
+
+def test_a_torchvision_set_by_name_uses_its_test_split(tmp_path, fake_torchvision):
+    (tmp_path / "present").write_text("")
+    mnist = load_dataset(f"torchvision:MNIST:{tmp_path}", 8)
+    assert (mnist.kind, mnist.input_shape) == ("images", (1, 5, 4))
+    assert (mnist.num_examples("train"), mnist.num_examples("heldout")) == (7, 3)
+    cifar = load_dataset(f"torchvision:CIFAR10:{tmp_path}", 8)
+    assert cifar.input_shape == (3, 5, 4)  # stored [N, H, W, C], turned to channels first
+    raw = np.random.default_rng(7).integers(0, 256, (7, 5, 4, 3)).astype(np.uint8).transpose(0, 3, 1, 2)
+    mean, std = raw.mean(axis=(0, 2, 3)), raw.std(axis=(0, 2, 3))
+    expect = (raw - mean[:, None, None]) / std[:, None, None]
+    torch.testing.assert_close(cifar.train, torch.from_numpy(expect.reshape(7, -1)).float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "spec, pattern",
+    [
+        ("torchvision:MNIST", "expected torchvision:NAME:ROOT"),
+        ("torchvision:ImageNet:{root}", "'ImageNet' is not supported"),
+        ("torchvision:MNIST:{root}/nowhere", "is not a directory"),
+        ("torchvision:MNIST:{root}", "never downloads"),  # the root holds no data set
+    ],
+)
+def test_a_torchvision_set_that_cannot_be_read_is_refused_by_name(tmp_path, fake_torchvision, spec, pattern):
+    with pytest.raises(DataError, match=pattern):
+        load_dataset(spec.format(root=tmp_path), 8)
+
+
+def test_torchvision_missing_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision raises ImportError
+    with pytest.raises(DataError, match="torchvision is not installed"):
+        load_dataset(f"torchvision:MNIST:{tmp_path}", 8)

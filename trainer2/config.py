@@ -109,10 +109,23 @@ class TrainConfig(BaseModel):
     checkpoint_dir: str = Field("checkpoints", description="Directory holding one folder per run.")
 
     # --- data ---
-    data: str | None = Field(None, description="UTF-8 text file or .npz feature set; none = built-in pydoc corpus.")
+    data: str | None = Field(
+        None,
+        description=(
+            "UTF-8 text file, .npz feature or image set, MNIST IDX / CIFAR-10 batches directory, or "
+            "torchvision:NAME:ROOT; none = built-in pydoc corpus."
+        ),
+    )
     context_len: int = Field(8, ge=1, le=2**16, description="Characters of context per example (text data).")
     embed_dim: int = Field(16, ge=1, le=2**16, description="Embedding size per context character (text data).")
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of the data, by position, held out.")
+    augment_shift: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="Image data only: translate each training image by up to this many pixels in each direction "
+        "(edge-padded), fresh draws every window; 0 = off. Held-out images are never moved.",
+    )
     token_cache: str = Field(
         "auto",
         min_length=1,

@@ -97,13 +97,15 @@ def encode(text: str, vocab: Sequence[str], source: str) -> torch.Tensor:
 
 def load_dataset(path: str | None, context_len: int, heldout_fraction: float = 0.1) -> Dataset:
     """path None -> the built-in corpus; '*.npz' -> a feature or image data set (x [N, D] or [N, (C,) H, W]); a
-    directory
-    -> MNIST IDX files or CIFAR-10 python batches (trainer2.io.image_data); anything else -> a UTF-8 text file."""
+    directory -> MNIST IDX files or CIFAR-10 python batches; 'torchvision:NAME:ROOT' -> a torchvision data set on disk
+    (trainer2.io.image_data); anything else -> a UTF-8 text file."""
     if not 0.0 < heldout_fraction < 1.0:
         raise DataError(f"{path or BUILTIN_SOURCE}: heldout_fraction must be in (0, 1), got {heldout_fraction}")
     if path is None:
         text = _builtin_text()
         return _text_dataset(lambda: iter([text]), BUILTIN_SOURCE, context_len, heldout_fraction)
+    if path.startswith(image_data.TORCHVISION_PREFIX):
+        return _image_dataset(path, lambda: image_data.load_torchvision(path, heldout_fraction))
     if path.endswith(".npz"):
         return _feature_dataset(path, heldout_fraction)
     if Path(path).is_dir():

@@ -202,3 +202,47 @@ def read_cifar10_dir(d: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None
     if (d / "test_batch").exists():
         return (x, y, *read_cifar_batch(d / "test_batch"))
     return x, y, None, None
+
+
+TORCHVISION_PREFIX = "torchvision:"
+# torchvision data sets whose arrays sit in memory once built: (train kwargs, test kwargs, labels attribute).
+TORCHVISION_SETS = {
+    "MNIST": ({"train": True}, {"train": False}, "targets"),
+    "FashionMNIST": ({"train": True}, {"train": False}, "targets"),
+    "KMNIST": ({"train": True}, {"train": False}, "targets"),
+    "CIFAR10": ({"train": True}, {"train": False}, "targets"),
+    "CIFAR100": ({"train": True}, {"train": False}, "targets"),
+    "SVHN": ({"split": "train"}, {"split": "test"}, "labels"),
+}
+
+
+def load_torchvision(spec: str, heldout_fraction: float) -> ImageSplits:
+    """`torchvision:NAME:ROOT`: the torchvision data set NAME (MNIST, CIFAR10, ...) already under ROOT, never
+    downloaded; its test split is the held-out split. heldout_fraction is unused (every supported set has a test
+    split)."""
+    name, sep, root = spec.removeprefix(TORCHVISION_PREFIX).partition(":")
+    if not sep or not root:
+        raise DataError(f"{spec}: expected torchvision:NAME:ROOT, e.g. torchvision:MNIST:/data/torchvision")
+    if name not in TORCHVISION_SETS:
+        supported = ", ".join(sorted(TORCHVISION_SETS))
+        raise DataError(f"{spec}: torchvision data set {name!r} is not supported; supported: {supported}")
+    try:
+        from torchvision import datasets
+    except ImportError:
+        raise DataError(f"{spec}: torchvision is not installed (pip install torchvision), or point --data at the files")
+    if not Path(root).is_dir():
+        raise DataError(f"{spec}: the root {root} is not a directory")
+    train_kw, test_kw, labels = TORCHVISION_SETS[name]
+    splits = []
+    for kw in (train_kw, test_kw):
+        try:
+            ds = getattr(datasets, name)(root, download=False, **kw)
+        except (RuntimeError, OSError, ValueError) as e:  # torchvision's "Dataset not found", a corrupt file
+            raise DataError(f"{spec}: {name} is not readable under {root} ({e}); trainer2 never downloads") from None
+        x, y = np.asarray(ds.data), np.asarray(getattr(ds, labels), dtype=np.int64)
+        if name.startswith("CIFAR"):  # stored [N, H, W, C]
+            x = x.transpose(0, 3, 1, 2)
+        check_images(f"{spec} ({kw})", x, y)
+        splits.append((x, y))
+    (x, y), (xt, yt) = splits
+    return image_splits(spec, x, y, xt, yt, heldout_fraction)

@@ -42,6 +42,7 @@ from trainer2.io.data import (
     text_split_sizes,
     token_dtype,
 )
+from trainer2.io.image_data import TORCHVISION_PREFIX
 
 MAGIC = b"TRAINER2-TOKENS\0"
 VERSION = 1
@@ -331,8 +332,13 @@ def cached_text_dataset(path: str, where: str, context_len: int, heldout_fractio
     )
 
 
+def is_text_path(path: str) -> bool:
+    """Whether load_dataset reads `path` as a text file (not an .npz, an image directory or a torchvision set)."""
+    return not (path.endswith(".npz") or path.startswith(TORCHVISION_PREFIX) or Path(path).is_dir())
+
+
 def load_text_or_features(path: str | None, context_len: int, heldout_fraction: float, token_cache: str) -> Dataset:
     """data.load_dataset, with text files served from their token cache unless token_cache is "off"."""
-    if path is None or path.endswith(".npz") or token_cache == "off" or Path(path).is_dir():  # a dir: images
+    if path is None or token_cache == "off" or not is_text_path(path):
         return load_dataset(path, context_len, heldout_fraction)
     return cached_text_dataset(path, token_cache, context_len, heldout_fraction)

@@ -53,9 +53,11 @@ def ep_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResu
     with relax.phase("nudged"):
         relax.nudged_phases(free)
     with relax.phase("update"):  # forming the gradients counts as part of the update
-        grads, gx = ep_grads(relax.s_plus, relax.s_minus, free.x, m.energy, 1.0 / (relax.nudge.divisor * relax.batch))
+        scale = 1.0 / (relax.nudge.divisor * relax.batch)
+        # Only a learned embedding needs the input's gradient (on images it is a transposed convolution per window).
+        grads, gx = ep_grads(relax.s_plus, relax.s_minus, free.x, m.energy, scale, input_grad=m.emb is not None)
         res = relax.readout_grads(free)
         grads.update(g_diag=res.grads.g_diag, theta=res.grads.theta, protos=res.grads.protos, r_sc=res.grads.r_sc)
-        if m.emb is not None:
+        if gx is not None:
             grads["emb"] = embedding_grad(gx.reshape(-1, m.emb.shape[1]), inputs.flatten(), m.emb.shape[0])
         return StepResult(grads, res.loss, res.probs, WindowStats(**stats, lior_nudge=relax.nudged_lior()))

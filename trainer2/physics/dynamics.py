@@ -276,16 +276,17 @@ def fixed_point_steps(run: PhaseRun) -> None:
             c[last].add_up(top, ws.dq)  # the pull of h_M into dq alone (y and qA do not see h_M)
         else:
             c[last].up(top, q_new)  # the minimiser in q: the pull of h_M
-        # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q).
+        # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q; the
+        # output coupling c[last] is dense, so its pull does not read the layer it writes).
         for i, out in enumerate(ws.temp):
             if i == 0:
-                c[1].down(s[1], ws.drive, out)
+                c[1].down(s[1], s[0], ws.drive, out)
             else:
-                c[i + 1].add_down(s[i + 1], c[i].up(s[i - 1], out))
+                c[i + 1].add_down(s[i + 1], s[i], c[i].up(s[i - 1], out))
         if last == 1:
-            c[last].down(q, ws.drive, top)
+            c[last].down(q, top, ws.drive, top)
         else:
-            c[last].add_down(q, c[last - 1].up(s[last - 2], top))
+            c[last].add_down(q, top, c[last - 1].up(s[last - 2], top))
         top.clamp_(0.0, 1.0)
         if ws.temp:
             torch._foreach_clamp_min_(ws.temp, 0.0)

@@ -126,17 +126,17 @@ def forces(s: list[Tensor], drive: Tensor, e: Energy, out: list[Tensor]) -> None
         else:
             e.couplings[i].up(s[i - 1], out[i])
         if i < last:
-            e.couplings[i + 1].add_down(s[i + 1], out[i])
+            e.couplings[i + 1].add_down(s[i + 1], si, out[i])
         out[i].sub_(si)
 
 
 def ep_grads(
-    s_plus: list[Tensor], s_minus: list[Tensor], x: Tensor, e: Energy, scale: float
-) -> tuple[dict[str, Tensor], Tensor]:
+    s_plus: list[Tensor], s_minus: list[Tensor], x: Tensor, e: Energy, scale: float, input_grad: bool = True
+) -> tuple[dict[str, Tensor], Tensor | None]:
     """The EP statistic (dE/dtheta(s+) - dE/dtheta(s-)) * scale of every coupling parameter, by name, and the
-    per-example gradient with respect to the clamped input x (B, D); summed over the batch (callers fold
-    1/(divisor B) into scale)."""
-    grads, gx = e.couplings[0].ep_grads_clamped(x, s_plus[0], s_minus[0], scale)
+    per-example gradient with respect to the clamped input x (B, D), or None without input_grad (data that is not
+    a learned embedding); summed over the batch (callers fold 1/(divisor B) into scale)."""
+    grads, gx = e.couplings[0].ep_grads_clamped(x, s_plus[0], s_minus[0], scale, input_grad)
     for i, c in enumerate(e.couplings[1:], start=1):
         grads.update(c.ep_grads((s_plus[i - 1], s_plus[i]), (s_minus[i - 1], s_minus[i]), scale))
     return grads, gx

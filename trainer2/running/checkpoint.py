@@ -78,6 +78,11 @@ RESUME_FREE_FIELDS = frozenset(
 )
 
 
+# Fields added after checkpoints were first written, with the value that reproduces what those checkpoints' runs
+# did: a checkpoint without the field is compared as if it held this value.
+ADDED_FIELDS: dict[str, Any] = {"augment_shift": 0}
+
+
 class CheckpointError(ValueError):
     """A missing, partial, corrupt or mismatched checkpoint; the message names the file and the problem."""
 
@@ -319,7 +324,7 @@ def check_config(saved: dict[str, Any], cfg: TrainConfig, source: Path) -> None:
     """Refuse a config whose model/data/learning fields differ from the checkpoint's, naming each with both values."""
     now = cfg.model_dump(mode="json")
     try:
-        saved = upgrade_legacy(saved)  # a checkpoint written before a field's rename names it the old way
+        saved = {**ADDED_FIELDS, **upgrade_legacy(saved)}  # a checkpoint written before a rename uses the old name
     except ValueError as e:
         raise CheckpointError(f"checkpoint {source}: its config cannot be read: {e}") from None
     bad = [

@@ -52,6 +52,11 @@ def build_parts(
     if data is None:
         data = load_text_or_features(cfg.data, cfg.context_len, cfg.heldout_fraction, cfg.token_cache)
     text = data.kind == "text"
+    if cfg.augment_shift and data.input_shape is None:
+        raise ConfigError(
+            f"augment_shift: {cfg.augment_shift} moves images, but the data ({data.source}) is {data.kind}, not "
+            "images; use --augment_shift 0"
+        )
     check_sizes(cfg, data.num_classes, data.input_dim, text, data.num_examples("train"), world, device)
     machine = build_machine(cfg, data.num_classes, data.input_dim, text, device, data.input_shape)
     rows = cfg.batch_size if batch is None else batch

@@ -20,6 +20,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from trainer2.config import ConfigError, TrainConfig, to_yaml
+from trainer2.io.augment import shift_images, window_generator
 from trainer2.io.data import DataError, Dataset
 from trainer2.io.safeio import write_replace
 from trainer2.io.sampler import STATE_KEYS as SAMPLER_KEYS
@@ -166,7 +167,11 @@ class Trainer:
     def next_batch(self) -> tuple[Tensor, Tensor]:
         """This rank's slice of the global batch, as host tensors; the StepRunner stages them onto the device."""
         b, r = self.cfg.batch_size, self.dist.rank
-        return self.data.batch("train", self.sampler.next()[r * b : (r + 1) * b])
+        inputs, targets = self.data.batch("train", self.sampler.next()[r * b : (r + 1) * b])
+        if self.cfg.augment_shift:  # the draws depend on (seed, window, rank) only, so a resumed run repeats them
+            gen = window_generator(self.cfg.seed, self.progress.window, r)
+            inputs = shift_images(inputs, self.data.input_shape, self.cfg.augment_shift, gen)
+        return inputs, targets
 
     @torch.no_grad()
     def train(self) -> dict[str, Any]:

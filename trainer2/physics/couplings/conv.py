@@ -1,15 +1,24 @@
-"""A convolutional coupling: a stride-1, same-padded convolution of the layer below, average-pooled into the layer
-above.
+"""A convolutional coupling: a stride-1, same-padded convolution of the layer below, pooled (average or max) into
+the layer above.
 
-    E_c(below, above) = -above . (A below + b),   A = avgpool_p o conv_K,   K (C_out, C_in, k, k), b (C_out,)
+    E_c(below, above) = -above . (P(conv_K below) + b),   K (C_out, C_in, k, k), b (C_out,),  P = avgpool_p or maxpool_p
 
-Layers are (C, H, W) images stored as (R, C*H*W) rows. A is linear, so the energy term is bilinear like a dense one.
-Pooling p x p after a k x k convolution is one convolution of stride p with the (k+p-1)^2 kernel K' = K * box_p / p^2
-(the box filter's full convolution with K), so the pull on the layer above is conv2d(below, K', stride p) + b, and the
-pull on the layer below is its adjoint, conv_transpose2d(above, K', stride p). The EP statistic is the correlation
-of the two layers (unfold and a product), carried back from K' to K by the box filter's adjoint. The spectral cap is
-power iteration on A itself. Each pull allocates its convolution's output (torch has no out= convolution), and the
-adjoint one channels-last copy of its input; nothing syncs with the host or branches on a value.
+Layers are (C, H, W) images stored as (R, C*H*W) rows.
+
+Average pooling: A = avgpool_p o conv_K is linear, so the term is bilinear like a dense one. Pooling p x p after a
+k x k convolution is one convolution of stride p with the (k+p-1)^2 kernel K' = K * box_p / p^2 (the box filter's
+full convolution with K), so the pull on the layer above is conv2d(below, K', stride p) + b, and the pull on the
+layer below its adjoint, conv_transpose2d(above, K', stride p). The EP statistic is the correlation of the two layers
+(unfold and a product), carried back from K' to K by the box filter's adjoint.
+
+Max pooling (the conv Hopfield energies of Laborieux et al. 2021): the term is piecewise bilinear; where the argmax of
+each window of conv_K(below) is unique, -dE/d(below) = conv_K^T unpool(above) with the argmax positions of the
+current `below` (the pulls on the layer below take it), and the EP statistic is the correlation of unpool(above)
+with below at stride 1.
+
+The spectral cap is power iteration on the linear part (A; for max pooling conv_K, since max pooling is
+1-Lipschitz). Each pull allocates its convolution's output (torch has no out= convolution), and the adjoint one
+channels-last copy of its input; nothing syncs with the host or branches on a value.
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SPEC_KEYS = {"channels", "kernel", "pool"}
+SPEC_KEYS = {"channels", "kernel", "pool", "pooling"}
+POOLINGS = ("avg", "max")
 EXACT_ITERS = 500  # power-iteration steps of the build-time cap: a conv's top singular values crowd together
 
 
@@ -35,6 +45,7 @@ class Conv:
     weight: Tensor
     bias_: Tensor
     pool: int
+    pooling: str  # "avg" or "max"
     below_shape: tuple[int, ...]
     above_shape: tuple[int, ...]
 
@@ -42,7 +53,7 @@ class Conv:
     def spec_size(spec: object, below: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """The shape of the layer a `{conv: {channels: C, kernel: k, pool: p}}` entry makes above a (C_in, H, W)
         layer: (C, H // p, W // p); without `below`, only the spec is checked and (C,) returned."""
-        channels, kernel, pool = parse_spec(spec)
+        channels, _, pool, _ = parse_spec(spec)
         if below is None:
             return (channels,)
         if len(below) != 3:
@@ -60,11 +71,11 @@ class Conv:
         name: str, below: tuple[int, ...], spec: object, scale: float, gen: torch.Generator, dtype: torch.dtype
     ) -> "Conv":
         """Uniform(+-scale/sqrt(C_in k^2)) kernels, zero bias."""
-        channels, kernel, pool = parse_spec(spec)
+        channels, kernel, pool, pooling = parse_spec(spec)
         above = Conv.spec_size(spec, below)
         bound = scale / math.sqrt(below[0] * kernel * kernel)
         weight = (torch.rand(channels, below[0], kernel, kernel, generator=gen, dtype=dtype) * 2 - 1) * bound
-        return Conv(name, weight, torch.zeros(channels, dtype=dtype), pool, tuple(below), above)
+        return Conv(name, weight, torch.zeros(channels, dtype=dtype), pool, pooling, tuple(below), above)
 
     @property
     def bias(self) -> Tensor:
@@ -99,15 +110,49 @@ class Conv:
             return self.weight
         return F.avg_pool2d(F.pad(self.weight, (p - 1,) * 4), p, stride=1)
 
-    def apply(self, below: Tensor, bias: Tensor | None) -> Tensor:
-        """A below (+ b) as (R, C_out, H', W') from below (R, C_in H W)."""
-        x = below.view(below.shape[0], *self.below_shape)
-        return F.conv2d(x, self.pooled_kernel(), bias, stride=self.pool, padding=self.padding)
+    @property
+    def maxpool(self) -> bool:
+        """Max pooling over windows of more than one pixel (max pooling with p = 1 is no pooling)."""
+        return self.pooling == "max" and self.pool > 1
 
-    def adjoint(self, above: Tensor) -> Tensor:
-        """A^T above as (R, C_in, H, W) (channels-last strides) from above (R, C_out H' W'). The transposed
-        convolution takes its input channels-last: on the CPU that is oneDNN's path, about 3x faster than the
-        default one (benchmarks/conv_speed.py), for one copy of the (smaller) upper layer."""
+    @property
+    def conv_shape(self) -> tuple[int, int, int]:
+        """(C_out, H, W): the convolution's output before pooling."""
+        return (self.above_shape[0], *self.below_shape[1:])
+
+    def conv(self, below: Tensor, bias: Tensor | None) -> Tensor:
+        """conv_K below (+ b) as (R, C_out, H, W), stride 1, before pooling."""
+        return F.conv2d(self.image(below), self.weight, bias, padding=self.padding)
+
+    def conv_t(self, plane: Tensor) -> Tensor:
+        """conv_K^T of (R, C_out, H, W) as (R, C_in, H, W), the input taken channels-last (oneDNN's fast path on the
+        CPU, about 3x the default one: benchmarks/conv_speed.py)."""
+        plane = plane.contiguous(memory_format=torch.channels_last)
+        return F.conv_transpose2d(plane, self.weight, padding=self.padding)
+
+    def argmax(self, below: Tensor) -> Tensor:
+        """(R, C_out, H', W') int64: where in each p x p window of conv_K(below) the maximum lies (max pooling)."""
+        return F.max_pool2d(self.conv(below, None), self.pool, return_indices=True)[1]
+
+    def unpool(self, above: Tensor, where: Tensor) -> Tensor:
+        """above (R, C_out H' W') placed at the argmax positions `where` in a (R, C_out, H, W) plane of zeros."""
+        a = above.view(above.shape[0], *self.above_shape)
+        return F.max_unpool2d(a, where, self.pool, output_size=self.below_shape[1:])
+
+    def apply(self, below: Tensor, bias: Tensor | None) -> Tensor:
+        """P(conv_K below) (+ b) as (R, C_out, H', W') from below (R, C_in H W); average pooling as one strided
+        convolution with K'."""
+        if self.maxpool:
+            return F.max_pool2d(self.conv(below, bias), self.pool)
+        return F.conv2d(self.image(below), self.pooled_kernel(), bias, stride=self.pool, padding=self.padding)
+
+    def adjoint(self, above: Tensor, below: Tensor) -> Tensor:
+        """-dE_c/d below without the bias, as (R, C_in, H, W) (channels-last strides), from above (R, C_out H' W'):
+        A^T above for average pooling (below unused), conv_K^T unpool(above) at below's argmax for max pooling."""
+        return self.conv_t(self.unpool(above, self.argmax(below))) if self.maxpool else self.avg_adjoint(above)
+
+    def avg_adjoint(self, above: Tensor) -> Tensor:
+        """A^T above for average pooling, (R, C_in, H, W) channels-last, from above (R, C_out H' W')."""
         a = above.view(above.shape[0], *self.above_shape).contiguous(memory_format=torch.channels_last)
         return F.conv_transpose2d(
             a, self.pooled_kernel(), stride=self.pool, padding=self.padding, output_padding=self.output_padding
@@ -125,30 +170,33 @@ class Conv:
     def add_up(self, below: Tensor, out: Tensor) -> Tensor:
         return out.add_(self.apply(below, None).view(out.shape))
 
-    def down(self, above: Tensor, base: Tensor, out: Tensor) -> Tensor:
-        torch.add(self.image(base), self.adjoint(above), out=self.image(out))
+    def down(self, above: Tensor, below: Tensor, base: Tensor, out: Tensor) -> Tensor:
+        torch.add(self.image(base), self.adjoint(above, below), out=self.image(out))
         return out
 
-    def add_down(self, above: Tensor, out: Tensor) -> Tensor:
-        self.image(out).add_(self.adjoint(above))
+    def add_down(self, above: Tensor, below: Tensor, out: Tensor) -> Tensor:
+        self.image(out).add_(self.adjoint(above, below))
         return out
 
     def energy(self, below: Tensor, above: Tensor) -> Tensor:
         """Written as the textbook conv then pool (not the fused kernel), so tests check one against the other."""
         x = below.reshape(below.shape[0], *self.below_shape)
-        z = F.avg_pool2d(F.conv2d(x, self.weight, self.bias_, padding=self.padding), self.pool)
+        pool = F.max_pool2d if self.pooling == "max" else F.avg_pool2d
+        z = pool(F.conv2d(x, self.weight, self.bias_, padding=self.padding), self.pool)
         return -(above * z.flatten(1)).sum(1)
 
     # --- learning ---
 
     def correlation(self, above: Tensor, below: Tensor) -> Tensor:
-        """sum over rows of above (x) below as the gradient of above . (A below) in K (C_out, C_in, k, k)."""
-        rows, ke = below.shape[0], self.weight.shape[-1] + self.pool - 1
-        cols = F.unfold(below.reshape(rows, *self.below_shape), ke, padding=self.padding, stride=self.pool)
+        """sum over rows of above (x) below as the gradient of above . (A below) in K (C_out, C_in, k, k), for average
+        pooling; for max pooling `above` is already unpooled to (R, C_out, H, W) and the correlation is at stride 1."""
+        rows, stride = below.shape[0], 1 if self.maxpool else self.pool
+        ke = self.weight.shape[-1] + stride - 1
+        cols = F.unfold(below.reshape(rows, *self.below_shape), ke, padding=self.padding, stride=stride)
         a = above.reshape(rows, self.above_shape[0], -1)
         g = torch.einsum("rol,rdl->od", a, cols).view(self.weight.shape[0], self.weight.shape[1], ke, ke)
         # K' is linear in K (the box filter); its adjoint is the p x p box sum / p^2 at stride 1.
-        return g if self.pool == 1 else F.avg_pool2d(g, self.pool, stride=1)
+        return g if stride == 1 else F.avg_pool2d(g, self.pool, stride=1)
 
     def channel_sum(self, above: Tensor) -> Tensor:
         """(C_out,) the sum of `above` over rows and pixels: the gradient of above . b in b."""
@@ -158,28 +206,46 @@ class Conv:
         """-dE/dK is the correlation of above with below, so the statistic is scale (corr(s-) - corr(s+)): one
         correlation over the rows of both phases, the plus phase's upper layer negated."""
         (bp, ap), (bm, am) = plus, minus
+        if self.maxpool:  # each phase's upper layer sits at its own lower layer's argmax positions
+            am, ap = self.unpool(am, self.argmax(bm)), self.unpool(ap, self.argmax(bp))
         gw = self.correlation(torch.cat([am, ap.neg()]), torch.cat([bm, bp])).mul_(scale)
         return {f"W_{self.name}": gw, f"b_{self.name}": self.channel_sum(torch.sub(am, ap)).mul_(scale)}
 
     def ep_grads_clamped(
-        self, x: Tensor, plus: Tensor, minus: Tensor, scale: float
-    ) -> tuple[dict[str, Tensor], Tensor]:
+        self, x: Tensor, plus: Tensor, minus: Tensor, scale: float, input_grad: bool = True
+    ) -> tuple[dict[str, Tensor], Tensor | None]:
         """Both phases share x, so the kernel statistic is one correlation of (above- - above+) with x."""
         d = torch.sub(minus, plus).mul_(scale)
-        grads = {f"W_{self.name}": self.correlation(d, x), f"b_{self.name}": self.channel_sum(d)}
-        return grads, self.adjoint(d).reshape(d.shape[0], -1)
+        bias = self.channel_sum(d)
+        if self.maxpool:
+            d = self.unpool(d, self.argmax(x))
+            grads = {f"W_{self.name}": self.correlation(d, x), f"b_{self.name}": bias}
+            return grads, self.conv_t(d).reshape(d.shape[0], -1) if input_grad else None
+        grads = {f"W_{self.name}": self.correlation(d, x), f"b_{self.name}": bias}
+        return grads, self.avg_adjoint(d).reshape(d.shape[0], -1) if input_grad else None
 
     # --- stability: the spectral cap ---
 
     @property
     def power_size(self) -> int:
-        return math.prod(self.above_shape)
+        return math.prod(self.conv_shape if self.maxpool else self.above_shape)
+
+    def linear(self, below: Tensor) -> Tensor:
+        """The linear part L of the pull on the layer above, (R, power_size) from (R, C_in H W): A, or conv_K."""
+        return (self.conv(below, None) if self.maxpool else self.apply(below, None)).flatten(1)
+
+    def linear_t(self, u: Tensor) -> Tensor:
+        """L^T u as (R, C_in H W) from u (R, power_size)."""
+        if self.maxpool:
+            return self.conv_t(u.view(u.shape[0], *self.conv_shape)).reshape(u.shape[0], -1)
+        return self.avg_adjoint(u).reshape(u.shape[0], -1)
 
     def power_step(self, u: Tensor) -> Tensor:
-        """One normalised step u <- A A^T u / |A A^T u| (in place); returns sigma = |A v| for v = A^T u / |A^T u|."""
-        v = self.adjoint(u.view(1, -1)).reshape(-1)
+        """One normalised step u <- L L^T u / |L L^T u| (in place); returns sigma = |L v| for v = L^T u / |L^T u|.
+        |P(L x) - P(L y)| <= |L (x - y)| for both poolings, so capping L caps the pull's Lipschitz constant."""
+        v = self.linear_t(u.view(1, -1)).reshape(-1)
         v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
-        u.copy_(self.apply(v.view(1, -1), None).flatten())
+        u.copy_(self.linear(v.view(1, -1)).flatten())
         sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)
         u.div_(sigma)
         return sigma
@@ -201,11 +267,13 @@ class Conv:
         self.weight.mul_(torch.div(cap, sigma).clamp_(max=1.0))
 
 
-def parse_spec(spec: object) -> tuple[int, int, int]:
-    """(channels, kernel, pool) of a conv entry's spec {channels: C, kernel: k (odd, default 3), pool: p (default
-    1)}."""
+def parse_spec(spec: object) -> tuple[int, int, int, str]:
+    """(channels, kernel, pool, pooling) of a conv entry's spec {channels: C, kernel: k (odd, default 3), pool: p
+    (default 1), pooling: avg or max (default avg)}."""
     if not isinstance(spec, dict):
-        raise ValueError(f"a conv layer's spec must be a mapping {{channels: C, kernel: k, pool: p}}, got {spec!r}")
+        raise ValueError(
+            f"a conv layer's spec must be a mapping {{channels: C, kernel: k, pool: p, pooling: avg|max}}, got {spec!r}"
+        )
     unknown = sorted(set(spec) - SPEC_KEYS)
     if unknown:
         raise ValueError(f"unknown conv key(s) {unknown}; expected {sorted(SPEC_KEYS)}")
@@ -217,4 +285,7 @@ def parse_spec(spec: object) -> tuple[int, int, int]:
             raise ValueError(f"conv {key} must be an integer >= 1, got {v!r}")
     if values["kernel"] % 2 == 0:
         raise ValueError(f"conv kernel must be odd (same padding is symmetric only then), got {values['kernel']}")
-    return values["channels"], values["kernel"], values["pool"]
+    pooling = spec.get("pooling", "avg")
+    if pooling not in POOLINGS:
+        raise ValueError(f"conv pooling must be one of {list(POOLINGS)}, got {pooling!r}")
+    return values["channels"], values["kernel"], values["pool"], pooling

@@ -37,11 +37,12 @@ class Coupling(Protocol):
     def add_up(self, below: Tensor, out: Tensor) -> Tensor:
         """out += the pull of `below` on the layer above, without the bias (the bias is folded elsewhere)."""
 
-    def down(self, above: Tensor, base: Tensor, out: Tensor) -> Tensor:
-        """out (R, below) = base + -dE_c/d below, the pull of `above` on the layer below."""
+    def down(self, above: Tensor, below: Tensor, base: Tensor, out: Tensor) -> Tensor:
+        """out (R, below) = base + -dE_c/d below, the pull of `above` on the layer below, whose current value `below`
+        a term that is not bilinear (max pooling) reads; out may not be `below`."""
 
-    def add_down(self, above: Tensor, out: Tensor) -> Tensor:
-        """out += the pull of `above` (R, above) on the layer below."""
+    def add_down(self, above: Tensor, below: Tensor, out: Tensor) -> Tensor:
+        """out += the pull of `above` (R, above) on the layer below, whose current value is `below`."""
 
     @property
     def bias(self) -> Tensor:
@@ -55,10 +56,10 @@ class Coupling(Protocol):
         minus are (below, above) of the two nudged equilibria."""
 
     def ep_grads_clamped(
-        self, x: Tensor, plus: Tensor, minus: Tensor, scale: float
-    ) -> tuple[dict[str, Tensor], Tensor]:
+        self, x: Tensor, plus: Tensor, minus: Tensor, scale: float, input_grad: bool = True
+    ) -> tuple[dict[str, Tensor], Tensor | None]:
         """As ep_grads for a coupling whose layer below is the clamped input x (the same in both phases), and the
-        per-example gradient with respect to x (R, below)."""
+        per-example gradient with respect to x (R, below), or None when input_grad is False (nothing learns x)."""
 
     @property
     def power_size(self) -> int:

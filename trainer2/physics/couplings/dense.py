@@ -75,10 +75,10 @@ class Dense:
     def add_up(self, below: Tensor, out: Tensor) -> Tensor:
         return out.addmm_(below, self.wt)
 
-    def down(self, above: Tensor, base: Tensor, out: Tensor) -> Tensor:
-        return torch.addmm(base, above, self.weight, out=out)
+    def down(self, above: Tensor, below: Tensor, base: Tensor, out: Tensor) -> Tensor:
+        return torch.addmm(base, above, self.weight, out=out)  # bilinear: the pull does not depend on below
 
-    def add_down(self, above: Tensor, out: Tensor) -> Tensor:
+    def add_down(self, above: Tensor, below: Tensor, out: Tensor) -> Tensor:
         return out.addmm_(above, self.weight)
 
     def energy(self, below: Tensor, above: Tensor) -> Tensor:
@@ -93,11 +93,12 @@ class Dense:
         return {f"W_{self.name}": gw, f"b_{self.name}": torch.sub(am, ap).sum(0).mul_(scale)}
 
     def ep_grads_clamped(
-        self, x: Tensor, plus: Tensor, minus: Tensor, scale: float
-    ) -> tuple[dict[str, Tensor], Tensor]:
+        self, x: Tensor, plus: Tensor, minus: Tensor, scale: float, input_grad: bool = True
+    ) -> tuple[dict[str, Tensor], Tensor | None]:
         """Both phases share x, so the weight statistic is one product of (above- - above+) with x."""
         d = torch.sub(minus, plus).mul_(scale)
-        return {f"W_{self.name}": torch.mm(d.T, x), f"b_{self.name}": d.sum(0)}, torch.mm(d, self.weight)
+        grads = {f"W_{self.name}": torch.mm(d.T, x), f"b_{self.name}": d.sum(0)}
+        return grads, torch.mm(d, self.weight) if input_grad else None
 
     # --- stability: the spectral cap ---
 
