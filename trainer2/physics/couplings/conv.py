@@ -91,17 +91,32 @@ class Conv:
     def rebind(self, named: dict[str, Tensor]) -> "Conv":
         return replace(self, weight=named[f"W_{self.name}"], bias_=named[f"b_{self.name}"])
 
-    # --- the operator A and its adjoint ---
+    # --- the linear part L, the pooling, and their adjoints ---
+
+    @property
+    def maxpool(self) -> bool:
+        """Max pooling over windows of more than one pixel (max pooling with p = 1 is no pooling)."""
+        return self.pooling == "max" and self.pool > 1
 
     @property
     def padding(self) -> int:
         return self.weight.shape[-1] // 2
 
     @property
+    def stride(self) -> int:
+        """L's stride: p (average pooling folded into L), or 1 (max pooling follows L)."""
+        return 1 if self.maxpool else self.pool
+
+    @property
+    def linear_shape(self) -> tuple[int, ...]:
+        """(C_out, H_L, W_L), L's output: the layer above, or the full-resolution plane that max pooling reduces."""
+        return (self.above_shape[0], *self.below_shape[1:]) if self.maxpool else self.above_shape
+
+    @property
     def output_padding(self) -> tuple[int, int]:
-        """Rows and columns the pooling drops (H mod p, W mod p): the adjoint gives them back as zeros' pull."""
-        _, h, w = self.below_shape
-        return (h - self.above_shape[1] * self.pool, w - self.above_shape[2] * self.pool)
+        """Rows and columns L's stride drops (H mod p, W mod p): the adjoint gives them back as zeros' pull."""
+        (_, h, w), (_, lh, lw) = self.below_shape, self.linear_shape
+        return (h - lh * self.stride, w - lw * self.stride)
 
     def pooled_kernel(self) -> Tensor:
         """K' (C_out, C_in, k+p-1, k+p-1) = K convolved with the p x p box / p^2: conv then avgpool as one conv."""
@@ -110,29 +125,26 @@ class Conv:
             return self.weight
         return F.avg_pool2d(F.pad(self.weight, (p - 1,) * 4), p, stride=1)
 
-    @property
-    def maxpool(self) -> bool:
-        """Max pooling over windows of more than one pixel (max pooling with p = 1 is no pooling)."""
-        return self.pooling == "max" and self.pool > 1
+    def linear_kernel(self) -> Tensor:
+        """L's kernel: K under max pooling, else K' (K itself without pooling)."""
+        return self.weight if self.maxpool else self.pooled_kernel()
 
-    @property
-    def conv_shape(self) -> tuple[int, int, int]:
-        """(C_out, H, W): the convolution's output before pooling."""
-        return (self.above_shape[0], *self.below_shape[1:])
+    def convolve(self, below: Tensor, bias: Tensor | None) -> Tensor:
+        """L below (+ b) as (R, *linear_shape) from below (R, C_in H W)."""
+        return F.conv2d(self.image(below), self.linear_kernel(), bias, stride=self.stride, padding=self.padding)
 
-    def conv(self, below: Tensor, bias: Tensor | None) -> Tensor:
-        """conv_K below (+ b) as (R, C_out, H, W), stride 1, before pooling."""
-        return F.conv2d(self.image(below), self.weight, bias, padding=self.padding)
-
-    def conv_t(self, plane: Tensor) -> Tensor:
-        """conv_K^T of (R, C_out, H, W) as (R, C_in, H, W), the input taken channels-last (oneDNN's fast path on the
-        CPU, about 3x the default one: benchmarks/conv_speed.py)."""
-        plane = plane.contiguous(memory_format=torch.channels_last)
-        return F.conv_transpose2d(plane, self.weight, padding=self.padding)
+    def transpose(self, u: Tensor) -> Tensor:
+        """L^T u as (R, C_in, H, W) (channels-last strides) from u (R, prod(linear_shape)). The transposed
+        convolution takes its input channels-last: on the CPU that is oneDNN's path, about 3x faster than the
+        default one (benchmarks/conv_speed.py)."""
+        u = u.view(u.shape[0], *self.linear_shape).contiguous(memory_format=torch.channels_last)
+        return F.conv_transpose2d(
+            u, self.linear_kernel(), stride=self.stride, padding=self.padding, output_padding=self.output_padding
+        )
 
     def argmax(self, below: Tensor) -> Tensor:
         """(R, C_out, H', W') int64: where in each p x p window of conv_K(below) the maximum lies (max pooling)."""
-        return F.max_pool2d(self.conv(below, None), self.pool, return_indices=True)[1]
+        return F.max_pool2d(self.convolve(below, None), self.pool, return_indices=True)[1]
 
     def unpool(self, above: Tensor, where: Tensor) -> Tensor:
         """above (R, C_out H' W') placed at the argmax positions `where` in a (R, C_out, H, W) plane of zeros."""
@@ -140,23 +152,14 @@ class Conv:
         return F.max_unpool2d(a, where, self.pool, output_size=self.below_shape[1:])
 
     def apply(self, below: Tensor, bias: Tensor | None) -> Tensor:
-        """P(conv_K below) (+ b) as (R, C_out, H', W') from below (R, C_in H W); average pooling as one strided
-        convolution with K'."""
-        if self.maxpool:
-            return F.max_pool2d(self.conv(below, bias), self.pool)
-        return F.conv2d(self.image(below), self.pooled_kernel(), bias, stride=self.pool, padding=self.padding)
+        """P(conv_K below) (+ b) as (R, C_out, H', W') from below (R, C_in H W)."""
+        z = self.convolve(below, bias)
+        return F.max_pool2d(z, self.pool) if self.maxpool else z
 
     def adjoint(self, above: Tensor, below: Tensor) -> Tensor:
         """-dE_c/d below without the bias, as (R, C_in, H, W) (channels-last strides), from above (R, C_out H' W'):
-        A^T above for average pooling (below unused), conv_K^T unpool(above) at below's argmax for max pooling."""
-        return self.conv_t(self.unpool(above, self.argmax(below))) if self.maxpool else self.avg_adjoint(above)
-
-    def avg_adjoint(self, above: Tensor) -> Tensor:
-        """A^T above for average pooling, (R, C_in, H, W) channels-last, from above (R, C_out H' W')."""
-        a = above.view(above.shape[0], *self.above_shape).contiguous(memory_format=torch.channels_last)
-        return F.conv_transpose2d(
-            a, self.pooled_kernel(), stride=self.pool, padding=self.padding, output_padding=self.output_padding
-        )
+        L^T above, `above` first unpooled to the argmax of conv_K(below) under max pooling (else below is unused)."""
+        return self.transpose(self.unpool(above, self.argmax(below)) if self.maxpool else above)
 
     def image(self, t: Tensor) -> Tensor:
         """A (R, C_in H W) row block of the layer below viewed as (R, C_in, H, W)."""
@@ -190,7 +193,7 @@ class Conv:
     def correlation(self, above: Tensor, below: Tensor) -> Tensor:
         """sum over rows of above (x) below as the gradient of above . (A below) in K (C_out, C_in, k, k), for average
         pooling; for max pooling `above` is already unpooled to (R, C_out, H, W) and the correlation is at stride 1."""
-        rows, stride = below.shape[0], 1 if self.maxpool else self.pool
+        rows, stride = below.shape[0], self.stride
         ke = self.weight.shape[-1] + stride - 1
         cols = F.unfold(below.reshape(rows, *self.below_shape), ke, padding=self.padding, stride=stride)
         a = above.reshape(rows, self.above_shape[0], -1)
@@ -216,34 +219,24 @@ class Conv:
     ) -> tuple[dict[str, Tensor], Tensor | None]:
         """Both phases share x, so the kernel statistic is one correlation of (above- - above+) with x."""
         d = torch.sub(minus, plus).mul_(scale)
-        bias = self.channel_sum(d)
-        if self.maxpool:
-            d = self.unpool(d, self.argmax(x))
-            grads = {f"W_{self.name}": self.correlation(d, x), f"b_{self.name}": bias}
-            return grads, self.conv_t(d).reshape(d.shape[0], -1) if input_grad else None
-        grads = {f"W_{self.name}": self.correlation(d, x), f"b_{self.name}": bias}
-        return grads, self.avg_adjoint(d).reshape(d.shape[0], -1) if input_grad else None
+        plane = self.unpool(d, self.argmax(x)) if self.maxpool else d  # both phases share x's argmax
+        grads = {f"W_{self.name}": self.correlation(plane, x), f"b_{self.name}": self.channel_sum(d)}
+        return grads, self.transpose(plane).reshape(d.shape[0], -1) if input_grad else None
 
     # --- stability: the spectral cap ---
 
     @property
     def power_size(self) -> int:
-        return math.prod(self.conv_shape if self.maxpool else self.above_shape)
+        return math.prod(self.linear_shape)
 
     def linear(self, below: Tensor) -> Tensor:
-        """The linear part L of the pull on the layer above, (R, power_size) from (R, C_in H W): A, or conv_K."""
-        return (self.conv(below, None) if self.maxpool else self.apply(below, None)).flatten(1)
-
-    def linear_t(self, u: Tensor) -> Tensor:
-        """L^T u as (R, C_in H W) from u (R, power_size)."""
-        if self.maxpool:
-            return self.conv_t(u.view(u.shape[0], *self.conv_shape)).reshape(u.shape[0], -1)
-        return self.avg_adjoint(u).reshape(u.shape[0], -1)
+        """L below as (R, power_size) from (R, C_in H W): A = avgpool o conv_K, or conv_K under max pooling."""
+        return self.convolve(below, None).flatten(1)
 
     def power_step(self, u: Tensor) -> Tensor:
         """One normalised step u <- L L^T u / |L L^T u| (in place); returns sigma = |L v| for v = L^T u / |L^T u|.
         |P(L x) - P(L y)| <= |L (x - y)| for both poolings, so capping L caps the pull's Lipschitz constant."""
-        v = self.linear_t(u.view(1, -1)).reshape(-1)
+        v = self.transpose(u.view(1, -1)).reshape(-1)
         v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
         u.copy_(self.linear(v.view(1, -1)).flatten())
         sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)

@@ -38,8 +38,8 @@ class Coupling(Protocol):
         """out += the pull of `below` on the layer above, without the bias (the bias is folded elsewhere)."""
 
     def down(self, above: Tensor, below: Tensor, base: Tensor, out: Tensor) -> Tensor:
-        """out (R, below) = base + -dE_c/d below, the pull of `above` on the layer below, whose current value `below`
-        a term that is not bilinear (max pooling) reads; out may not be `below`."""
+        """out (R, below) = base + -dE_c/d below, the pull of `above` on the layer below, whose current value is
+        `below`: a term that is not bilinear (max pooling) reads it, and then out must be another tensor."""
 
     def add_down(self, above: Tensor, below: Tensor, out: Tensor) -> Tensor:
         """out += the pull of `above` (R, above) on the layer below, whose current value is `below`."""
