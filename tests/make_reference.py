@@ -16,6 +16,8 @@ import torch
 
 from trainer2.config import build_config, preset_path, read_yaml
 from trainer2.io.data import Sampler as RandpermSampler
+from trainer2.io.data import load_dataset
+from trainer2.running.checkpoint import data_fingerprint
 from trainer2.running.trainer import Trainer
 
 OUT = Path(__file__).resolve().parent / "data" / "reference_50_windows.json"
@@ -36,6 +38,12 @@ def reference_config(preset: str, overrides: dict, checkpoint_dir: str):
         **overrides,
     }
     return build_config([("preset", read_yaml(preset_path(preset))), ("test", flags)])
+
+
+def corpus_sha256() -> str:
+    """The sha256 of the built-in corpus's tokens. The corpus is CPython's pydoc topics, which differ between patch
+    releases (3.11.2 and 3.11.7 do), so the recorded values hold only for the corpus they were trained on."""
+    return data_fingerprint(load_dataset(None, 8))["sha256"]
 
 
 def sample_positions(numel: int) -> list[int]:
@@ -70,7 +78,7 @@ def main() -> None:
                 for name, t in params.items()
             },
         }
-    OUT.write_text(json.dumps({"commit": commit, "cases": cases}) + "\n")
+    OUT.write_text(json.dumps({"commit": commit, "corpus_sha256": corpus_sha256(), "cases": cases}) + "\n")
     print(f"wrote {OUT}")
 
 
