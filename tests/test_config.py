@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
@@ -358,18 +360,25 @@ def test_print_config_with_resume_shows_the_checkpoint_layer(tmp_path, small_tex
     assert sorted(p for p in ck_dir.rglob("*")) == files  # nothing written
 
 
-def test_cpu_threads_are_set_where_the_device_is_resolved():
+def test_cpu_threads_are_set_where_the_device_is_resolved(monkeypatch):
     import torch
 
-    from trainer2.running.parts import resolve_device
+    from trainer2.running.parts import all_cpu_threads, resolve_device
 
     before = torch.get_num_threads()
     try:
         assert resolve_device(TrainConfig(device="cpu")).type == "cpu" and torch.get_num_threads() == 1  # the default
         resolve_device(TrainConfig(device="cpu", cpu_threads=2))
         assert torch.get_num_threads() == 2
-        resolve_device(TrainConfig(device="cpu", cpu_threads=0))  # 0 leaves the count as it is
-        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # 0: OMP_NUM_THREADS when set (torchrun sets 1)...
+        resolve_device(TrainConfig(device="cpu", cpu_threads=0))
+        assert torch.get_num_threads() == 3
+        monkeypatch.delenv("OMP_NUM_THREADS")  # ...else every core this process may use, whatever ran before
+        torch.set_num_threads(1)
+        resolve_device(TrainConfig(device="cpu", cpu_threads=0))
+        assert torch.get_num_threads() == all_cpu_threads() >= 1
+        if hasattr(os, "sched_getaffinity"):
+            assert all_cpu_threads() == len(os.sched_getaffinity(0))
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="cpu_threads"):

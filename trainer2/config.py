@@ -102,8 +102,8 @@ class TrainConfig(BaseModel):
         1,
         ge=0,
         le=1024,
-        description="Threads for CPU math per process (torch.set_num_threads); 0 = torch's "
-        "default (OMP_NUM_THREADS, else every core). 1 by default: the matrices are small, so a second "
+        description="Threads for CPU math per process (torch.set_num_threads); 0 = every core this "
+        "process may use (OMP_NUM_THREADS when set). 1 by default: the matrices are small, so a second "
         "thread gains little on an idle machine and stalls the run when another process is busy.",
     )
     checkpoint_dir: str = Field("checkpoints", description="Directory holding one folder per run.")

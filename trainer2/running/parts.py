@@ -6,6 +6,7 @@ its seed; the batch step around them is `trainer2.learning.step.build_step`. Not
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +30,19 @@ class RunParts:
     memory: MemoryBank | None
 
 
+def all_cpu_threads() -> int:
+    """What cpu_threads 0 means: OMP_NUM_THREADS when set (torchrun sets it to 1 per process), else the cores this
+    process may run on. Computed, not left to torch, so an earlier run in the same process cannot change it."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return max(1, len(cores))
+
+
 def resolve_device(cfg: TrainConfig) -> torch.device:
     """The device a run computes on: 'auto' -> CUDA when present, else CPU; an explicit CUDA device without CUDA is
-    an error. Also sets this process's CPU math threads (cfg.cpu_threads; 0 leaves torch's default)."""
-    if cfg.cpu_threads > 0:
-        torch.set_num_threads(cfg.cpu_threads)
+    an error. Also sets this process's CPU math threads (cfg.cpu_threads; 0 = every core, see `all_cpu_threads`)."""
+    torch.set_num_threads(cfg.cpu_threads or all_cpu_threads())
     name = cfg.device
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
