@@ -33,10 +33,10 @@ class RunParts:
 def all_cpu_threads() -> int:
     """What cpu_threads 0 means: OMP_NUM_THREADS when set (torchrun sets it to 1 per process), else the cores this
     process may run on. Computed, not left to torch, so an earlier run in the same process cannot change it."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        return int(os.environ["OMP_NUM_THREADS"])
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return max(1, len(cores))
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
