@@ -25,8 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
-from trainer2.io import token_cache as tc  # noqa: E402
-from trainer2.io.data import _builtin_text  # noqa: E402
+from trainer2.data import token_cache as tc  # noqa: E402
+from trainer2.data.dataset import _builtin_text  # noqa: E402
 
 
 def write_corpus(path: Path, size_mb: int) -> None:

@@ -146,7 +146,7 @@ def dead_at(step_dir: Path) -> tuple[int, int]:
     """(dead hidden units, hidden units) of a checkpoint on one training batch, with this checkout's code."""
     import torch
 
-    from trainer2.io.sampler import Sampler
+    from trainer2.data.sampler import Sampler
     from trainer2.physics.dead_units import dead_units
     from trainer2.physics.relaxation import Relaxation
     from trainer2.running.evaluation import load_trained

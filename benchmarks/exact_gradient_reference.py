@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.autograd_reference import exact_grads, readout_loss  # noqa: E402
 from trainer2.cli import train_parser  # noqa: E402
-from trainer2.config import ConfigError, TrainConfig  # noqa: E402
+from trainer2.train_config import ConfigError, TrainConfig  # noqa: E402
 from trainer2.flags import resolve_config  # noqa: E402
-from trainer2.io.data import DataError, Sampler, heldout_batches  # noqa: E402
+from trainer2.data.dataset import DataError, Sampler, heldout_batches  # noqa: E402
 from trainer2.learning.gradients import StepResult  # noqa: E402
 from trainer2.physics.couplings import Conv, Coupling  # noqa: E402
 from trainer2.physics.machine import Machine, project_constraints  # noqa: E402

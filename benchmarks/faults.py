@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from trainer2.io.telemetry import TELEMETRY_FILE, read_telemetry, trim  # noqa: E402
+from trainer2.monitor.telemetry import TELEMETRY_FILE, read_telemetry, trim  # noqa: E402
 from trainer2.running import checkpoint as ck  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

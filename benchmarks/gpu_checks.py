@@ -113,7 +113,7 @@ def triton_goals(by: dict, argv: list[str], device_name: str) -> list[tuple[str,
     """Issue 24's figures from the bench rows: speed against compile+graph, kernels per batch step, compile time, and
     the share of the fp32 peak at the largest batch (from whole-step time, so a lower bound on the window's own)."""
     from trainer2.flags import resolve_config
-    from trainer2.io.data import load_dataset
+    from trainer2.data.dataset import load_dataset
     from trainer2.running.bench import bench_parser, relax_steps
 
     cfg = resolve_config(bench_parser().parse_args(argv))

@@ -23,7 +23,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer2.config import build_config, preset_path, read_yaml  # noqa: E402
+from trainer2.train_config import build_config, preset_path, read_yaml  # noqa: E402
 from trainer2.running.trainer import Trainer  # noqa: E402
 
 HELDOUT = 1000

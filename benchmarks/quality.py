@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.ep_cosine import measure  # noqa: E402
 from benchmarks.exact_gradient_reference import benchmark_config, exact_trainer, train_feedforward  # noqa: E402
-from trainer2.config import ConfigError  # noqa: E402
-from trainer2.io.data import DataError  # noqa: E402
+from trainer2.train_config import ConfigError  # noqa: E402
+from trainer2.data.dataset import DataError  # noqa: E402
 from trainer2.running.trainer import Trainer  # noqa: E402
 
 TOLERANCE = 0.02  # |EP / exact - 1| the two runs must stay within, either way

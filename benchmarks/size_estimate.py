@@ -1,4 +1,4 @@
-"""trainer2/io/sizes.py's estimate against the peak resident memory of a short run, one config change per process.
+"""trainer2/running/sizes.py's estimate against the peak resident memory of a short run, one config change per process.
 
     python benchmarks/size_estimate.py
 
@@ -32,8 +32,8 @@ CHANGES = [
 def measure(change: dict, ckdir: str) -> dict:
     """In this process: peak RSS growth of one short run, and the estimate for its config."""
     sys.path.insert(0, str(REPO))
-    from trainer2.config import TrainConfig
-    from trainer2.io.sizes import needs
+    from trainer2.train_config import TrainConfig
+    from trainer2.running.sizes import needs
     from trainer2.running.trainer import Trainer
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from trainer2.flags import add_config_flags, resolve_config
-from trainer2.io.data import load_dataset
+from trainer2.data.dataset import load_dataset
 from trainer2.physics.machine import build_machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.relaxation import Relaxation

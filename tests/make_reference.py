@@ -14,9 +14,9 @@ from unittest import mock
 
 import torch
 
-from trainer2.config import build_config, preset_path, read_yaml
-from trainer2.io.data import Sampler as RandpermSampler
-from trainer2.io.data import load_dataset
+from trainer2.train_config import build_config, preset_path, read_yaml
+from trainer2.data.dataset import Sampler as RandpermSampler
+from trainer2.data.dataset import load_dataset
 from trainer2.running.checkpoint import data_fingerprint
 from trainer2.running.trainer import Trainer
 
@@ -53,7 +53,7 @@ def sample_positions(numel: int) -> list[int]:
 def trained_parameters(preset: str, overrides: dict) -> dict[str, torch.Tensor]:
     """The named parameters after 50 windows (the trainer's own loop; its final save goes to a temporary dir). The
     batches come in the order of the sampler these values were recorded with (a randperm per epoch,
-    trainer2.io.data.Sampler), so the comparison is of the machine and its learning, not of the data order."""
+    trainer2.data.dataset.Sampler), so the comparison is of the machine and its learning, not of the data order."""
     with tempfile.TemporaryDirectory() as tmp, mock.patch("trainer2.running.trainer.Sampler", RandpermSampler):
         trainer = Trainer(reference_config(preset, overrides, tmp), log=lambda *_: None)
         trainer.train()

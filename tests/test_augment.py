@@ -1,4 +1,4 @@
-"""Random translations of training images (trainer2.io.augment): each image moves as a per-pixel reference says, the
+"""Random translations of training images (trainer2.data.augment): each image moves as a per-pixel reference says, the
 draws are a function of (seed, window, rank) only, a run uses them on training batches alone, and text refuses them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from test_image_data import CONV, write_mnist
 
 from trainer2.cli import main
-from trainer2.config import TrainConfig
-from trainer2.io.augment import shift_images, window_generator
+from trainer2.train_config import TrainConfig
+from trainer2.data.augment import shift_images, window_generator
 from trainer2.running.trainer import Trainer
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer2.cli import main
-from trainer2.config import TrainConfig
+from trainer2.train_config import TrainConfig
 from trainer2.running import checkpoint as ck
 from trainer2.running.trainer import Trainer
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from trainer2.cli import main, train_parser
-from trainer2.config import ConfigError, TrainConfig, build_config, preset_dir, read_yaml
+from trainer2.train_config import ConfigError, TrainConfig, build_config, preset_dir, read_yaml
 from trainer2.flags import resolve_config
 
 

@@ -9,7 +9,7 @@ import torch
 from tiny import tiny_config
 
 from benchmarks.autograd_reference import cosine, exact_grads_energy
-from trainer2.config import ConfigError, TrainConfig
+from trainer2.train_config import ConfigError, TrainConfig
 from trainer2.learning.gradients import ep_gradients
 from trainer2.physics.couplings import Conv
 from trainer2.physics.machine import build_machine

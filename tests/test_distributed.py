@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer2.cli import main
-from trainer2.config import ConfigError, TrainConfig
+from trainer2.train_config import ConfigError, TrainConfig
 from trainer2.learning.params import ParamTable
 from trainer2.learning.step import GradReducer
 from trainer2.running.distributed import Distributed, DistributedError, init_distributed, rank_label

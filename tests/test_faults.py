@@ -31,9 +31,9 @@ from test_checkpoint import (
 )
 
 from trainer2.cli import main
-from trainer2.config import preset_dir, read_yaml
-from trainer2.io import telemetry as telemetry_module
-from trainer2.io.telemetry import TELEMETRY_FILE, read_telemetry
+from trainer2.train_config import preset_dir, read_yaml
+from trainer2.monitor import telemetry as telemetry_module
+from trainer2.monitor.telemetry import TELEMETRY_FILE, read_telemetry
 from trainer2.learning.gradients import ep_gradients
 from trainer2.running import checkpoint as ck
 from trainer2.running.health import Diverged

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from trainer2.cli import main
-from trainer2.config import TrainConfig
+from trainer2.train_config import TrainConfig
 from trainer2.running.trainer import Trainer
 
 TINY = [

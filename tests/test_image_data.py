@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from trainer2.cli import main
-from trainer2.config import TrainConfig
-from trainer2.io.data import DataError, load_dataset
+from trainer2.train_config import TrainConfig
+from trainer2.data.dataset import DataError, load_dataset
 from trainer2.running.trainer import Trainer
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import tiny_batch, tiny_config, tiny_machine
 
-from trainer2.config import ConfigError, build_config
+from trainer2.train_config import ConfigError, build_config
 from trainer2.learning.gradients import ep_gradients
 from trainer2.learning.step import build_step
 from trainer2.physics.memory import MemoryBank

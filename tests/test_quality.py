@@ -16,7 +16,7 @@ from benchmarks import exact_gradient_reference as ref_module
 from benchmarks import quality
 from benchmarks.autograd_reference import cosine, exact_grads, exact_grads_energy
 from benchmarks.exact_gradient_reference import benchmark_config, exact_gradients, exact_trainer, train_feedforward
-from trainer2.config import ConfigError, build_config
+from trainer2.train_config import ConfigError, build_config
 from trainer2.learning.gradients import ep_gradients
 from trainer2.learning.update import Updater
 from trainer2.physics.relaxation import Relaxation

@@ -14,7 +14,7 @@ from typing import Callable
 import pytest
 
 from trainer2 import cli
-from trainer2.config import ConfigError, build_config
+from trainer2.train_config import ConfigError, build_config
 from trainer2.flags import config_layers
 
 ROOT = Path(__file__).resolve().parent.parent

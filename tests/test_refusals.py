@@ -20,8 +20,8 @@ import torch
 from test_checkpoint import config, fixture_saved, flags, run_dir  # noqa: F401 (fixture_saved: the fixture `saved`)
 
 from trainer2.cli import main
-from trainer2.io import data as data_module
-from trainer2.io import sizes
+from trainer2.data import dataset as data_module
+from trainer2.running import sizes
 from trainer2.learning.gradients import ep_gradients
 from trainer2.running import checkpoint as ck
 from trainer2.running import parts as parts_module

@@ -19,9 +19,9 @@ from tqdm import std as tqdm_std
 from tqdm import tqdm
 
 from trainer2.cli import main
-from trainer2.config import ConfigError, build_config, preset_path, read_yaml
-from trainer2.io.profiling import PHASES, PhaseTimer, drop_kineto_markers
-from trainer2.io.telemetry import CacheCleaner, Monitor, Telemetry, TelemetryError, read_telemetry, should_cleanup
+from trainer2.train_config import ConfigError, build_config, preset_path, read_yaml
+from trainer2.monitor.profiling import PHASES, PhaseTimer, drop_kineto_markers
+from trainer2.monitor.telemetry import CacheCleaner, Monitor, Telemetry, TelemetryError, read_telemetry, should_cleanup
 from trainer2.learning.step import build_step
 from trainer2.running.trainer import Trainer
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer2.io import token_cache as tc
-from trainer2.io.data import DataError, load_dataset
+from trainer2.data import token_cache as tc
+from trainer2.data.dataset import DataError, load_dataset
 from trainer2.running.checkpoint import data_fingerprint
 
 TEXT = "The quick brown fox jumps over the lazy dog; naïve café, 42.\n"
@@ -160,7 +160,7 @@ def test_off_tokenizes_in_memory_and_writes_nothing(corpus):
 
 CHILD = """
 import hashlib, sys
-from trainer2.io import token_cache as tc
+from trainer2.data import token_cache as tc
 from trainer2.running.checkpoint import data_fingerprint
 write = tc.write_cache
 def counted(*args):

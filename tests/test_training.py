@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from trainer2.cli import main
-from trainer2.config import build_config
+from trainer2.train_config import build_config
 from trainer2.learning.step import BatchStep
 from trainer2.running.trainer import Trainer
 

@@ -29,7 +29,7 @@ from tiny import tiny_batch, tiny_config, tiny_machine  # noqa: E402
 
 from benchmarks.autograd_reference import cosine  # noqa: E402
 from benchmarks.exact_gradient_reference import exact_gradients  # noqa: E402
-from trainer2.config import build_config  # noqa: E402
+from trainer2.train_config import build_config  # noqa: E402
 from trainer2.learning.gradients import ep_gradients  # noqa: E402
 from trainer2.physics.dynamics import fixed_point_steps  # noqa: E402
 from trainer2.physics.kernels import free_phase, nudged_phase  # noqa: E402

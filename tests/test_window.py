@@ -207,7 +207,7 @@ def test_config_stability_bound_is_the_integrators():
     # With zero couplings the energy is 1/2 |q - b_out|^2 in q: exactly the unit stiffness the config's
     # bound dt^2/mass + 2 gamma dt < 4 is derived for. Just inside it q settles; just outside it blows up,
     # and the config refuses that setting.
-    from trainer2.config import ConfigError, build_config
+    from trainer2.train_config import ConfigError, build_config
 
     cfg, m, relax, free, _ = primed(dt=1.5, gamma=0.5)  # 2.25 + 1.5 = 3.75
     with pytest.raises(ConfigError, match="must be below 4"):

@@ -9,7 +9,7 @@ import pytest
 from tiny import tiny_config, tiny_machine
 
 from trainer2.cli import main
-from trainer2.config import ConfigError
+from trainer2.train_config import ConfigError
 from trainer2.physics.dynamics import Integrator, fixed_point_steps, leapfrog_steps
 from trainer2.physics.kernels import backend
 from trainer2.physics.relaxation import Relaxation

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer2.config import TrainConfig
+from trainer2.train_config import TrainConfig
 from trainer2.physics.machine import Machine, build_machine
 
 

@@ -21,13 +21,13 @@ from typing import Any, Callable
 
 import torch
 
-from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
+from trainer2.train_config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
 from trainer2.flags import add_config_flags, config_layers, none_or
 from trainer2.io import strictjson
 from trainer2.io.console import say
-from trainer2.io.data import DataError
-from trainer2.io.plot import cmd_plot
-from trainer2.io.tensorboard import check_tracking
+from trainer2.data.dataset import DataError
+from trainer2.monitor.plot import cmd_plot
+from trainer2.monitor.tensorboard import check_tracking
 from trainer2.running.checkpoint import CheckpointError, read_meta
 from trainer2.running.distributed import Distributed, DistributedError, init_distributed, rank_label
 from trainer2.running.health import Diverged
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             f"trainer2: error: {e.filename}: {e.strerror}" if e.filename else f"trainer2: error: {e}", file=sys.stderr
         )
         return EXIT_IOERR
-    except (MemoryError, RuntimeError) as e:  # an allocation trainer2.io.sizes' estimate did not foresee
+    except (MemoryError, RuntimeError) as e:  # an allocation trainer2.running.sizes' estimate did not foresee
         if (
             isinstance(e, RuntimeError)
             and not isinstance(e, torch.OutOfMemoryError)

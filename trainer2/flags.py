@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from trainer2.config import ConfigError, TrainConfig, accepted_keys, build_config, preset_path, read_yaml
+from trainer2.train_config import ConfigError, TrainConfig, accepted_keys, build_config, preset_path, read_yaml
 
 
 def none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.config import TrainConfig
+from trainer2.train_config import TrainConfig
 from trainer2.physics.machine import Machine, split_flat
 
 GROUPS = ("energy", "readout", "embed")

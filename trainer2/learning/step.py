@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from trainer2.config import TrainConfig
+from trainer2.train_config import TrainConfig
 from trainer2.learning.gradients import GradientSource, ep_gradients
 from trainer2.learning.params import ParamTable
 from trainer2.learning.update import Updater

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.config import TrainConfig
+from trainer2.train_config import TrainConfig
 from trainer2.learning.gradients import StepResult
 from trainer2.learning.params import GROUPS, ParamTable
 from trainer2.learning.subnormals import flush_subnormals_

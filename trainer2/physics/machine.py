@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.config import ConfigError, TrainConfig
+from trainer2.train_config import ConfigError, TrainConfig
 from trainer2.physics.energy import Energy, init_energy
 from trainer2.physics.readout import Candidates, ReadoutParams, RotorLayout, rotor_layout
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.config import TrainConfig
+from trainer2.train_config import TrainConfig
 from trainer2.physics.dynamics import (
     FoldBlocks,
     FoldedFrame,
@@ -89,7 +89,7 @@ class Relaxation:
         # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
         self.s_plus = self.nudge.plus(self.ws_nudged.state.s, batch)
         self.s_minus = self.nudge.minus(self.ws_nudged.state.s, self.s0.s, batch)
-        # Observability hooks (trainer2.io.telemetry): a timed/labelled context per phase, and progress
+        # Observability hooks (trainer2.monitor.telemetry): a timed/labelled context per phase, and progress
         # inside a window, on_steps(phase, step, steps, spd_last, lior), every progress_every steps.
         self.phase: Callable[[str], AbstractContextManager[None]] = lambda name: nullcontext()
         self.progress_every = 0

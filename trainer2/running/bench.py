@@ -24,11 +24,11 @@ import torch._inductor.config
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
-from trainer2.config import ConfigError, TrainConfig
+from trainer2.train_config import ConfigError, TrainConfig
 from trainer2.flags import add_config_flags, resolve_config
-from trainer2.io.data import Dataset, Sampler
-from trainer2.io.profiling import PhaseTimer, drop_kineto_markers
-from trainer2.io.token_cache import load_text_or_features
+from trainer2.data.dataset import Dataset, Sampler
+from trainer2.monitor.profiling import PhaseTimer, drop_kineto_markers
+from trainer2.data.token_cache import load_text_or_features
 from trainer2.learning.step import BatchStep, build_step
 from trainer2.physics.nudge import NudgeScheme
 from trainer2.running.parts import build_parts, resolve_device

@@ -24,11 +24,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from trainer2.config import TrainConfig, short_repr, upgrade_legacy
+from trainer2.train_config import TrainConfig, short_repr, upgrade_legacy
 from trainer2.io import strictjson
 
 if TYPE_CHECKING:
-    from trainer2.io.data import Dataset
+    from trainer2.data.dataset import Dataset
 
 FORMAT_VERSION = 2  # 2: the sampler state is O(1) (no stored permutation); text tokens hashed in their smallest type
 TENSORS_FILE = "tensors.safetensors"

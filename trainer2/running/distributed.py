@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainer2.config import ConfigError, TrainConfig
+from trainer2.train_config import ConfigError, TrainConfig
 from trainer2.running.parts import resolve_device
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")

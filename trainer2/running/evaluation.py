@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer2.config import ConfigError, TrainConfig, build_config
-from trainer2.io.data import Dataset, heldout_batches
+from trainer2.train_config import ConfigError, TrainConfig, build_config
+from trainer2.data.dataset import Dataset, heldout_batches
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.relaxation import Relaxation

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer2.config import ConfigError, TrainConfig
-from trainer2.io.data import Dataset
-from trainer2.io.sizes import check_sizes
-from trainer2.io.token_cache import load_text_or_features
+from trainer2.train_config import ConfigError, TrainConfig
+from trainer2.data.dataset import Dataset
+from trainer2.running.sizes import check_sizes
+from trainer2.data.token_cache import load_text_or_features
 from trainer2.learning.subnormals import flush_denormal
 from trainer2.physics.machine import Machine, build_machine
 from trainer2.physics.memory import MemoryBank

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trainer2.config import ConfigError, TrainConfig, build_config
+from trainer2.train_config import ConfigError, TrainConfig, build_config
 from trainer2.running.checkpoint import (
     META_FILE,
     CheckpointError,

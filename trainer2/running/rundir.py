@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from trainer2.io.safeio import NOFOLLOW, write_replace
-from trainer2.io.telemetry import CONFIG_FILE, TELEMETRY_FILE
+from trainer2.monitor.telemetry import CONFIG_FILE, TELEMETRY_FILE
 from trainer2.running.checkpoint import META_FILE, STEP_RE, TMP_PREFIX, list_checkpoints
 
 try:

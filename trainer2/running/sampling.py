@@ -13,8 +13,8 @@ import math
 import torch
 from torch import Tensor
 
-from trainer2.config import ConfigError
-from trainer2.io.data import encode
+from trainer2.train_config import ConfigError
+from trainer2.data.dataset import encode
 from trainer2.physics.relaxation import Relaxation
 from trainer2.running.evaluation import load_trained
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.config import TrainConfig
+from trainer2.train_config import TrainConfig
 from trainer2.learning.step import BatchStep
 
 Log = Callable[[str], None]

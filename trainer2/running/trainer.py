@@ -19,13 +19,13 @@ from safetensors import SafetensorError
 from torch import Tensor
 from tqdm import tqdm
 
-from trainer2.config import ConfigError, TrainConfig, to_yaml
-from trainer2.io.augment import shift_images, window_generator
-from trainer2.io.data import DataError, Dataset
+from trainer2.train_config import ConfigError, TrainConfig, to_yaml
+from trainer2.data.augment import shift_images, window_generator
+from trainer2.data.dataset import DataError, Dataset
 from trainer2.io.safeio import write_replace
-from trainer2.io.sampler import STATE_KEYS as SAMPLER_KEYS
-from trainer2.io.sampler import Sampler, sampler_state
-from trainer2.io.telemetry import Monitor
+from trainer2.data.sampler import STATE_KEYS as SAMPLER_KEYS
+from trainer2.data.sampler import Sampler, sampler_state
+from trainer2.monitor.telemetry import Monitor
 from trainer2.learning.gradients import GradientSource, ep_gradients
 from trainer2.learning.params import ParamTable
 from trainer2.learning.step import BatchStep, build_step
@@ -438,7 +438,7 @@ class Trainer:
         loaded, meta = ck.load_checked(
             path, self.cfg, self.data, self.checkpoint_tensors(), optional=frozenset({"rng.cuda"}) | SAMPLER_KEYS
         )
-        try:  # the sampler checks its own state, in one of two formats (trainer2.io.sampler), on a throwaway copy
+        try:  # the sampler checks its own state, in one of two formats (trainer2.data.sampler), on a throwaway copy
             Sampler(self.sampler.num_examples, self.sampler.batch_size, 0).load_state_dict(sampler_state(loaded))
         except DataError as e:
             raise ck.CheckpointError(f"{path / ck.TENSORS_FILE}: {e}") from None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer2.config import ConfigError
+from trainer2.train_config import ConfigError
 from trainer2.physics.dynamics import Integrator, PhaseFn, PhaseRun, phase_function
 
 # A program keeps whole layers in registers (tiles padded to powers of two >= 16). Within FITS (the dev and production

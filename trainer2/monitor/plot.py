@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer2.io.safeio import refuse_links
-from trainer2.io.telemetry import TELEMETRY_FILE, TelemetryError, read_telemetry
+from trainer2.monitor.telemetry import TELEMETRY_FILE, TelemetryError, read_telemetry
 
 # One figure per entry: file name, title, y label, log scale, the telemetry keys drawn.
 PANELS = (

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from trainer2.io.data import (
+from trainer2.data.dataset import (
     MAX_CODEPOINT,
     DataError,
     Dataset,
@@ -42,7 +42,7 @@ from trainer2.io.data import (
     text_split_sizes,
     token_dtype,
 )
-from trainer2.io.image_data import TORCHVISION_PREFIX
+from trainer2.data.images import TORCHVISION_PREFIX
 
 MAGIC = b"TRAINER2-TOKENS\0"
 VERSION = 1

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from trainer2.io.data import DataError, check_batch
-from trainer2.io.data import Sampler as RandpermSampler
+from trainer2.data.dataset import DataError, check_batch
+from trainer2.data.dataset import Sampler as RandpermSampler
 
 FORMAT = 2  # sampler state format: 1 = torch.randperm epochs (checkpoints before issue 26), 2 = this Feistel sampler
 ROUNDS = 6  # Feistel rounds; 4 already give a pseudo-random permutation for a random round function

@@ -24,7 +24,7 @@ MAX_YAML_BYTES = 1 << 20  # a config is a few hundred bytes; the cap bounds what
 MAX_REPR = 200  # characters of an offending value an error message shows
 MAX_ERRORS = 10  # validation errors listed per message
 MAX_LR = 1.0  # largest learning rate of any parameter group (see _numerics)
-MAX_WIDTH, MAX_DEPTH = 2**20, 1024  # hidden layers: sane bounds; what fits in memory is trainer2.io.sizes' to say
+MAX_WIDTH, MAX_DEPTH = 2**20, 1024  # hidden layers: sane bounds; what fits in memory is trainer2.running.sizes' to say
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable

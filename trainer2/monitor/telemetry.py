@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from trainer2.config import TrainConfig, to_yaml
-from trainer2.io.profiling import PhaseTimer, WindowProfiler, timing_table
+from trainer2.train_config import TrainConfig, to_yaml
+from trainer2.monitor.profiling import PhaseTimer, WindowProfiler, timing_table
 from trainer2.io.safeio import link_refused, nofollow_open, write_replace
-from trainer2.io.tensorboard import TensorBoardLog
+from trainer2.monitor.tensorboard import TensorBoardLog
 from trainer2.physics.relaxation import Relaxation
 
 TELEMETRY_FILE = "telemetry.jsonl"

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer2.io import image_data
-from trainer2.io.sizes import available_bytes
+from trainer2.data import images as image_data
+from trainer2.running.sizes import available_bytes
 
 BUILTIN_SOURCE = "builtin:pydoc_data.topics"
 SPLITS = ("train", "heldout")
@@ -98,7 +98,7 @@ def encode(text: str, vocab: Sequence[str], source: str) -> torch.Tensor:
 def load_dataset(path: str | None, context_len: int, heldout_fraction: float = 0.1) -> Dataset:
     """path None -> the built-in corpus; '*.npz' -> a feature or image data set (x [N, D] or [N, (C,) H, W]); a
     directory -> MNIST IDX files or CIFAR-10 python batches; 'torchvision:NAME:ROOT' -> a torchvision data set on disk
-    (trainer2.io.image_data); anything else -> a UTF-8 text file."""
+    (trainer2.data.images); anything else -> a UTF-8 text file."""
     if not 0.0 < heldout_fraction < 1.0:
         raise DataError(f"{path or BUILTIN_SOURCE}: heldout_fraction must be in (0, 1), got {heldout_fraction}")
     if path is None:
@@ -271,7 +271,7 @@ def text_split(
 
 
 def _image_dataset(source: str, read: Callable[[], image_data.ImageSplits]) -> Dataset:
-    """An "images" data set from a reader of trainer2.io.image_data (its errors become DataErrors)."""
+    """An "images" data set from a reader of trainer2.data.images (its errors become DataErrors)."""
     try:
         im = read()
     except image_data.DataError as e:

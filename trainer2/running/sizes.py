@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer2.config import ConfigError, TrainConfig
+from trainer2.train_config import ConfigError, TrainConfig
 from trainer2.physics.couplings import KINDS
 
 GIB = 2**30

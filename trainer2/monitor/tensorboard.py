@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainer2.config import ConfigError, TrainConfig
+from trainer2.train_config import ConfigError, TrainConfig
 from trainer2.io.safeio import refuse_links
 
 TB_DIR = "tb"

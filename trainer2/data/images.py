@@ -31,7 +31,7 @@ CIFAR_GLOBALS = {
 
 
 class DataError(ValueError):
-    """A malformed image file; trainer2.io.data re-raises it as its DataError (this module does not import that one)."""
+    """A malformed image file; trainer2.data.dataset re-raises it as its DataError (this module does not import that one)."""
 
 
 @dataclass(eq=False)
