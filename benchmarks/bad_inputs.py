@@ -2,7 +2,7 @@
 fit, data and config files that are no files, lying or bomb archives, planted symlinks, foreign run directories,
 corrupt checkpoints, bad torchrun environments, signals, a closed stdout, a diverging run.
 
-    python benchmarks/bad_inputs.py [--timeout 90] [--only SUBSTRING] [--out DIR]
+    python -m benchmarks.bad_inputs [--timeout 90] [--only SUBSTRING] [--out DIR]
 
 Counts, over all cases: tracebacks (a "Traceback" on stderr), hangs (no exit within --timeout), files changed
 outside run directories (every file of the sandbox outside <ck>/<run>/ is hashed before and after each case; the

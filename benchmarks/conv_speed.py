@@ -1,7 +1,7 @@
 """The conv coupling's pulls on the CPU: the adjoint (transposed convolution) with its input contiguous (NCHW) against
 channels-last (what trainer2/physics/couplings/conv.py uses), and the upward pull, at the conv preset's layer sizes.
 
-    python benchmarks/conv_speed.py [--rows 64] [--rounds 15] [--threads 1]
+    python -m benchmarks.conv_speed [--rows 64] [--rounds 15] [--threads 1]
 
 Interleaved rounds in one run; prints the median milliseconds of each and the ratio NCHW / channels-last.
 """
@@ -11,16 +11,12 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from trainer2.physics.couplings import Conv  # noqa: E402
+from trainer2.physics.couplings import Conv
 
 # (below shape, spec) of the conv preset's two couplings on 28x28 digits
 LAYERS = [

@@ -1,6 +1,6 @@
 """Corpus size against memory and start time: a run's peak memory, its second start and the first tokenization.
 
-    python benchmarks/corpus_memory.py [--sizes_mb 100 1000] [--windows 20] [--off] [--dir DIR]
+    python -m benchmarks.corpus_memory [--sizes_mb 100 1000] [--windows 20] [--off] [--dir DIR]
 
 Writes corpora of the given sizes itself (the built-in pydoc text repeated, with a counter per copy so no two
 copies are the same), then for the built-in corpus and each file trains `python main.py --preset dev --data FILE
@@ -22,11 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(HERE))
+from trainer2.data import token_cache as tc
+from trainer2.data.text import builtin_text as _builtin_text
 
-from trainer2.data import token_cache as tc  # noqa: E402
-from trainer2.data.dataset import _builtin_text  # noqa: E402
+HERE = Path(__file__).resolve().parent.parent
 
 
 def write_corpus(path: Path, size_mb: int) -> None:

@@ -1,6 +1,6 @@
 """Depth sweep: does a deeper machine still settle, get a faithful EP estimate in every layer, and learn?
 
-    OMP_NUM_THREADS=1 python benchmarks/depth.py [--preset dev] [--depths 1 2 3 4] [--width 256] [--train_windows 3000]
+    OMP_NUM_THREADS=1 python -m benchmarks.depth [--preset dev] [--depths 1 2 3 4] [--width 256] [--train_windows 3000]
 
 For each depth (hidden layers [width] * depth) on the preset's settings (the built-in corpus unless the preset
 names data), from the same seed:
@@ -20,20 +20,17 @@ Prints a detail block per depth, then one summary table.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.ep_cosine import measure  # noqa: E402
-from trainer2.cli import train_parser  # noqa: E402
-from trainer2.flags import resolve_config  # noqa: E402
-from trainer2.physics.relaxation import Relaxation  # noqa: E402
-from trainer2.running.trainer import Trainer, lr_at  # noqa: E402
+import trainer2
+from benchmarks.ep_cosine import measure
+from trainer2.flags import flag_overrides
+from trainer2.learning.update import lr_at
+from trainer2.physics.relaxation import Relaxation
+from trainer2.running.trainer import Trainer
 
 
 def settle_profile(
@@ -115,7 +112,7 @@ def run_depth(
         "none",
         *args.extra,
     ]
-    cfg = resolve_config(train_parser().parse_args(flags))
+    cfg = trainer2.config(None, **flag_overrides(flags))
     trainer = Trainer(cfg, log=lambda *_: None)
     probe_in, probe_tg = trainer.next_batch()  # one fixed batch for the settling and gradient-norm probes
     row: dict[str, float] = {"depth": depth}

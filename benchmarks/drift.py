@@ -1,6 +1,6 @@
 """Throughput drift over a long run: windows/s over the first and the last tenth of a run, and their ratio.
 
-    python benchmarks/drift.py [--repo PATH ...] [--threads 1] -- --preset deep --lr_schedule constant \\
+    python -m benchmarks.drift [--repo PATH ...] [--threads 1] -- --preset deep --lr_schedule constant \\
         --max_windows 14000 --log_every_windows 200 --eval_every_windows 0
 
 Trains `python <repo>/main.py <flags>` in a subprocess (OMP_NUM_THREADS=--threads) for each --repo (default: this
@@ -10,12 +10,12 @@ over the first and the last tenth of the windows (evaluation excluded), last / f
 hidden units of the last logged row (if that code logs them) and the subnormal floats in the final checkpoint,
 largest tensors first. `--telemetry FILE` instead reports on an existing run's telemetry.jsonl.
 
-    python benchmarks/drift.py --resume CHECKPOINT --windows 300 --rounds 2 --repo A --repo B
+    python -m benchmarks.drift --resume CHECKPOINT --windows 300 --rounds 2 --repo A --repo B
 
 instead resumes step directory CHECKPOINT (e.g. one holding many subnormals) for --windows windows with each
 repo's main.py in turn, --rounds interleaved rounds, and prints each process's wall time and windows/s.
 
-    python benchmarks/drift.py --dead CHECKPOINT [CHECKPOINT ...]
+    python -m benchmarks.drift --dead CHECKPOINT [CHECKPOINT ...]
 
 counts, with this checkout's code, the dead hidden units of each checkpoint (also of one written by code that does
 not log them): units at 0 or 1 for every example of one training batch (the sampler's first) at the free
@@ -37,7 +37,6 @@ import numpy as np
 from safetensors.numpy import load_file
 
 HERE = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(HERE))  # this checkout's trainer2 (for --dead)
 
 
 def tenth_rates(rows: list[dict]) -> tuple[float, float, int]:
@@ -149,7 +148,7 @@ def dead_at(step_dir: Path) -> tuple[int, int]:
     from trainer2.data.sampler import Sampler
     from trainer2.physics.dead_units import dead_units
     from trainer2.physics.relaxation import Relaxation
-    from trainer2.running.evaluation import load_trained
+    from trainer2.running.model import load as load_trained
 
     t = load_trained(step_dir, {"device": "cpu"}, log=lambda msg: None)
     relax = Relaxation(t.machine, t.cfg, t.cfg.batch_size, t.memory)

@@ -1,6 +1,6 @@
 """Cosine between the trainer's EP update and the true gradient, on real batches, with a preset's own settings.
 
-    python benchmarks/ep_cosine.py --preset dev [--train_windows 500] [--batches 4] [--per_param]
+    python -m benchmarks.ep_cosine --preset dev [--train_windows 500] [--batches 4] [--per_param]
         [--hidden_sizes 256 256]
 
 The true gradient is autograd through a long (converged) relaxation in float64; the EP estimate is the
@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.autograd_reference import cosine, exact_grads  # noqa: E402
-from trainer2.cli import train_parser  # noqa: E402
-from trainer2.flags import resolve_config  # noqa: E402
-from trainer2.physics.machine import move_machine  # noqa: E402
-from trainer2.running.trainer import Trainer  # noqa: E402
+import trainer2
+from benchmarks.autograd_reference import cosine, exact_grads
+from trainer2.physics.machine import move_machine
+from trainer2.running.trainer import Trainer
 
 
 def to_float64(machine):
@@ -76,23 +71,14 @@ def main() -> None:
     p.add_argument("--per_param", action="store_true", help="also print the cosine of every parameter tensor")
     p.add_argument("--hidden_sizes", type=int, nargs="+", help="override the preset's hidden layers (e.g. 256 256 256)")
     args = p.parse_args()
-    hidden = [] if args.hidden_sizes is None else ["--hidden_sizes", *map(str, args.hidden_sizes)]
-    cfg = resolve_config(
-        train_parser().parse_args(
-            [
-                "--preset",
-                args.preset,
-                "--device",
-                "cpu",
-                "--run_name",
-                f"ep_cosine_{args.preset}",
-                "--max_windows",
-                str(max(1, args.train_windows)),
-                "--eval_batches",
-                "2",
-                *hidden,
-            ]
-        )
+    hidden = {} if args.hidden_sizes is None else {"hidden_sizes": args.hidden_sizes}
+    cfg = trainer2.config(
+        args.preset,
+        device="cpu",
+        run_name=f"ep_cosine_{args.preset}",
+        max_windows=max(1, args.train_windows),
+        eval_batches=2,
+        **hidden,
     )
     trainer = Trainer(cfg, log=lambda *_: None)
     print(

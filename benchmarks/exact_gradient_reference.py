@@ -1,6 +1,6 @@
 """The same machine trained with the exact gradient instead of the EP estimate, and a feed-forward baseline.
 
-    python benchmarks/exact_gradient_reference.py --preset production --examples 200000 [--ff]
+    python -m benchmarks.exact_gradient_reference --preset production --examples 200000 [--ff]
 
 `exact_gradients` is a gradient source for the trainer's seam, `Trainer(cfg, gradients=exact_gradients)`:
 every parameter gets autograd's gradient of the batch-mean loss through the unrolled free window (same
@@ -24,20 +24,20 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.autograd_reference import exact_grads, readout_loss  # noqa: E402
-from trainer2.cli import train_parser  # noqa: E402
-from trainer2.train_config import ConfigError, TrainConfig  # noqa: E402
-from trainer2.flags import resolve_config  # noqa: E402
-from trainer2.data.dataset import DataError, Sampler, heldout_batches  # noqa: E402
-from trainer2.learning.gradients import StepResult  # noqa: E402
-from trainer2.physics.couplings import Conv, Coupling  # noqa: E402
-from trainer2.physics.machine import Machine, project_constraints  # noqa: E402
-from trainer2.physics.readout import ReadoutScratch, readout_frame, readout_loss_and_grads, target_mask  # noqa: E402
-from trainer2.physics.relaxation import Relaxation, WindowStats  # noqa: E402
-from trainer2.running.evaluation import EVAL_BATCH  # noqa: E402
-from trainer2.running.trainer import Trainer, lr_at  # noqa: E402
+import trainer2
+from benchmarks.autograd_reference import exact_grads, readout_loss
+from trainer2.data.dataset import DataError, heldout_batches
+from trainer2.data.sampler import RandpermSampler as Sampler
+from trainer2.flags import flag_overrides
+from trainer2.learning.gradients import StepResult
+from trainer2.learning.update import lr_at
+from trainer2.physics.couplings import Conv, Coupling
+from trainer2.physics.machine import Machine, project_constraints
+from trainer2.physics.readout import ReadoutScratch, readout_frame, readout_loss_and_grads, target_mask
+from trainer2.physics.relaxation import Relaxation, WindowStats
+from trainer2.running.evaluation import EVAL_BATCH
+from trainer2.running.trainer import Trainer
+from trainer2.train_config import ConfigError, TrainConfig
 
 
 def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResult:
@@ -53,7 +53,7 @@ def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepR
         loss, probs = relax.readout_scores(free)
     with relax.phase("update"), torch.inference_mode(False):  # the step runs in inference mode; autograd needs it off
         exact, _ = exact_grads(
-            m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps
+            m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, m.spec.retrieval_beta, m.spec.eps
         )
     return StepResult(exact, loss, probs, WindowStats(**stats, lior_nudge=torch.zeros_like(stats["lior_mean"])))
 
@@ -138,7 +138,7 @@ def train_feedforward(
         loss.backward()
         opt.step()
         with torch.no_grad():
-            project_constraints(m, cfg, power_vecs)  # no power vectors: readout clamps only, no spectral caps
+            project_constraints(m, power_vecs)  # no power vectors: readout clamps only, no spectral caps
     total, correct, count = 0.0, 0, 0
     with torch.no_grad():
         for idx in heldout_batches(data.num_examples("heldout"), EVAL_BATCH, cfg.eval_batches):
@@ -162,9 +162,7 @@ def train_feedforward(
 
 def benchmark_config(preset: str, examples: int, flags: list[str], run_name: str = "quality") -> TrainConfig:
     """The preset on the CPU, resized to `examples` (whole batches, schedule included); later flags override it."""
-    cfg = resolve_config(
-        train_parser().parse_args(["--preset", preset, "--device", "cpu", "--run_name", run_name, *flags])
-    )
+    cfg = trainer2.config(preset, **{"device": "cpu", "run_name": run_name, **flag_overrides(flags)})
     return cfg.model_copy(update={"max_windows": math.ceil(examples / cfg.batch_size), "max_epochs": None})
 
 

@@ -1,7 +1,7 @@
 """Fault injection on real `python main.py` runs: preemption, kills, a full disk, concurrent runs, resuming into
 another run, divergence.
 
-    python benchmarks/faults.py [--windows 2000] [--interrupts 8] [--kills 9] [--seed 0] [--out DIR]
+    python -m benchmarks.faults [--windows 2000] [--interrupts 8] [--kills 9] [--seed 0] [--out DIR]
 
 Each scenario that ends in a finished run is checked against one uninterrupted run of the same config: the
 final checkpoint's tensors must be bitwise equal and telemetry.jsonl must hold the same rows (wall-clock
@@ -24,13 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from safetensors.torch import load_file
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from trainer2.monitor.telemetry import TELEMETRY_FILE, read_telemetry, trim  # noqa: E402
-from trainer2.running import checkpoint as ck  # noqa: E402
+from trainer2.monitor.telemetry import TELEMETRY_FILE, read_telemetry, trim
+from trainer2.running import checkpoint as ck
 
 REPO = Path(__file__).resolve().parent.parent
 CLOCK = ("wall_seconds", "windows_per_second")

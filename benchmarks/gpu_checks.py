@@ -51,7 +51,6 @@ def run_tests() -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from trainer2.running.bench import MODES, run
@@ -112,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
 def triton_goals(by: dict, argv: list[str], device_name: str) -> list[tuple[str, str]]:
     """Issue 24's figures from the bench rows: speed against compile+graph, kernels per batch step, compile time, and
     the share of the fp32 peak at the largest batch (from whole-step time, so a lower bound on the window's own)."""
+    from trainer2.data.load import load_dataset
     from trainer2.flags import resolve_config
-    from trainer2.data.dataset import load_dataset
     from trainer2.running.bench import bench_parser, relax_steps
 
     cfg = resolve_config(bench_parser().parse_args(argv))

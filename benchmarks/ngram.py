@@ -1,6 +1,6 @@
 """Add-k smoothed character n-grams on the trainer's own split: the classical yardstick for held-out bpc.
 
-    python benchmarks/ngram.py [--orders 1 2 3 4 5] [--context_len 8] [--data PATH]
+    python -m benchmarks.ngram [--orders 1 2 3 4 5] [--context_len 8] [--data PATH]
 
 Counts come from the training split only. Every held-out character after the first `context_len` is predicted
 (the trainer's held-out examples, same targets) from the n-1 characters before it:
@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from trainer2.data.dataset import load_dataset  # noqa: E402
+from trainer2.data.load import load_dataset
 
 K_GRID = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001, 0.0005, 0.0002, 0.0001)
 

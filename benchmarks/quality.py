@@ -1,6 +1,6 @@
 """Learning quality: the EP trainer against exact gradients on the same machine, and feed-forward backprop.
 
-    python benchmarks/quality.py [--preset production] [--examples 2000000] [--FIELD VALUE ...]
+    python -m benchmarks.quality [--preset production] [--examples 2000000] [--FIELD VALUE ...]
 
 Trains, for the same number of examples and from the same initialisation and data order: the trainer
 (EP estimate), the exact-gradient reference (`Trainer(cfg, gradients=exact_gradients)`: the same everything,
@@ -10,7 +10,7 @@ the EP / exact ratio of the losses, the cosine between the EP update and the exa
 lengths, dropped updates and the largest rise of the held-out loss above its best along each run. Any TrainConfig
 flag after the options overrides the preset; a conv machine, for example:
 
-    python benchmarks/quality.py --preset conv --data mnist5000.npz --heldout_fraction 0.2 --examples 64000
+    python -m benchmarks.quality --preset conv --data mnist5000.npz --heldout_fraction 0.2 --examples 64000
 """
 
 from __future__ import annotations
@@ -22,13 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.ep_cosine import measure  # noqa: E402
-from benchmarks.exact_gradient_reference import benchmark_config, exact_trainer, train_feedforward  # noqa: E402
-from trainer2.train_config import ConfigError  # noqa: E402
-from trainer2.data.dataset import DataError  # noqa: E402
-from trainer2.running.trainer import Trainer  # noqa: E402
+from benchmarks.ep_cosine import measure
+from benchmarks.exact_gradient_reference import benchmark_config, exact_trainer, train_feedforward
+from trainer2.data.dataset import DataError
+from trainer2.running.trainer import Trainer
+from trainer2.train_config import ConfigError
 
 TOLERANCE = 0.02  # |EP / exact - 1| the two runs must stay within, either way
 

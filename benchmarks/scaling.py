@@ -1,6 +1,6 @@
 """Data-parallel scaling: examples per second at 1 process (`python main.py`) and N processes (torchrun), side by side.
 
-    OMP_NUM_THREADS=1 python benchmarks/scaling.py [--procs 1 2] [--repeats 3] [--windows 600] [--FIELD VALUE ...]
+    OMP_NUM_THREADS=1 python -m benchmarks.scaling [--procs 1 2] [--repeats 3] [--windows 600] [--FIELD VALUE ...]
 
 Weak scaling, as the PyTorch convention for --batch_size has it: every process keeps the preset's per-process
 batch, so N processes train N x the examples per window. The process counts are run in turn, repeated
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def command(procs: int, flags: list[str]) -> list[str]:
@@ -87,11 +86,11 @@ def bare_allreduce_ms(world: int, numel: int, tmp: str) -> float:
 
 
 def parameter_count(preset: str, extra: list[str]) -> int:
-    from trainer2.cli import train_parser
-    from trainer2.flags import resolve_config
+    import trainer2
+    from trainer2.flags import flag_overrides
     from trainer2.running.trainer import Trainer
 
-    cfg = resolve_config(train_parser().parse_args(["--preset", preset, "--device", "cpu", *extra]))
+    cfg = trainer2.config(preset, **{"device": "cpu", **flag_overrides(extra)})
     return sum(t.numel() for t in Trainer(cfg, log=lambda msg: None).params.tensors)
 
 

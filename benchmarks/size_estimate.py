@@ -1,6 +1,6 @@
 """trainer2/running/sizes.py's estimate against the peak resident memory of a short run, one config change per process.
 
-    python benchmarks/size_estimate.py
+    python -m benchmarks.size_estimate
 
 Each row: a 2-window run on the built-in corpus (12 free + 6 nudged steps, one held-out batch) in a fresh process;
 measured = peak RSS after the run minus before building the Trainer (MiB), estimated = sum of sizes.needs (MiB).
@@ -31,10 +31,9 @@ CHANGES = [
 
 def measure(change: dict, ckdir: str) -> dict:
     """In this process: peak RSS growth of one short run, and the estimate for its config."""
-    sys.path.insert(0, str(REPO))
-    from trainer2.train_config import TrainConfig
     from trainer2.running.sizes import needs
     from trainer2.running.trainer import Trainer
+    from trainer2.train_config import TrainConfig
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     cfg = TrainConfig(

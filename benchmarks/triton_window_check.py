@@ -13,12 +13,12 @@ import sys
 
 import torch
 
+from trainer2.data.load import load_dataset
 from trainer2.flags import add_config_flags, resolve_config
-from trainer2.data.dataset import load_dataset
 from trainer2.physics.machine import build_machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.relaxation import Relaxation
-from trainer2.running.evaluation import resolve_device
+from trainer2.running.parts import resolve_device
 
 TOL = {"float32": 1e-5, "float64": 1e-10}
 
@@ -36,7 +36,7 @@ def check(cfg, batch: int, device: torch.device) -> dict[str, float]:
     relax = {}
     for backend in ("triton", "torch"):
         c = cfg.model_copy(update={"window_backend": backend})
-        m = build_machine(c, data.num_classes, data.input_dim, data.kind == "text", device)
+        m = build_machine(c, data.num_classes, data.input_dim, data.tokens, device, seed=c.seed)
         bank = None
         if c.memory_capacity:  # filled with the first batch's coordinates, so the bank's candidates take part
             bank = MemoryBank.allocate(c.memory_capacity, c.coord_dim_n, batch, m.readout.protos)

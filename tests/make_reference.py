@@ -14,11 +14,12 @@ from unittest import mock
 
 import torch
 
-from trainer2.train_config import build_config, preset_path, read_yaml
-from trainer2.data.dataset import Sampler as RandpermSampler
-from trainer2.data.dataset import load_dataset
+from trainer2.data.load import load_dataset
+from trainer2.data.sampler import RandpermSampler
+from trainer2.presets import yaml_layers
 from trainer2.running.checkpoint import data_fingerprint
 from trainer2.running.trainer import Trainer
+from trainer2.train_config import build_config
 
 OUT = Path(__file__).resolve().parent / "data" / "reference_50_windows.json"
 CASES = {"dev": ("dev", {}), "deep": ("deep", {}), "dev_three_layers": ("dev", {"hidden_sizes": [48, 32, 24]})}
@@ -37,7 +38,7 @@ def reference_config(preset: str, overrides: dict, checkpoint_dir: str):
         "run_name": "reference",
         **overrides,
     }
-    return build_config([("preset", read_yaml(preset_path(preset))), ("test", flags)])
+    return build_config([*yaml_layers(preset), ("test", flags)])
 
 
 def corpus_sha256() -> str:

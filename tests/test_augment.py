@@ -8,9 +8,9 @@ import torch
 from test_image_data import CONV, write_mnist
 
 from trainer2.cli import main
-from trainer2.train_config import TrainConfig
 from trainer2.data.augment import shift_images, window_generator
 from trainer2.running.trainer import Trainer
+from trainer2.train_config import TrainConfig
 
 
 def shifted_reference(img: torch.Tensor, dy: int, dx: int) -> torch.Tensor:

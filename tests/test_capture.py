@@ -30,7 +30,7 @@ def fresh_step(device: str = "cpu", gradients: GradientSource = ep_gradients, **
     cfg = tiny_config(**{"free_steps": 6, "nudge_steps": 3, "beta_nudge": 0.05, "memory_capacity": 12, **overrides})
     m = move_machine(tiny_machine(cfg, V), torch.device(device))
     mem = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, m.readout.protos)
-    return build_step(m, cfg, cfg.batch_size, mem, gradients)
+    return build_step(m, cfg, cfg, cfg.batch_size, mem, gradients)
 
 
 def batches(cfg, n: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:

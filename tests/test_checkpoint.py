@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from trainer2.cli import main
-from trainer2.train_config import TrainConfig
 from trainer2.running import checkpoint as ck
 from trainer2.running.trainer import Trainer
+from trainer2.train_config import TrainConfig
 
 TINY = dict(
     hidden_sizes=[8],

@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from trainer2.cli import main, train_parser
-from trainer2.train_config import ConfigError, TrainConfig, build_config, preset_dir, read_yaml
 from trainer2.flags import resolve_config
+from trainer2.presets import preset_dir, read_yaml
+from trainer2.train_config import ConfigError, TrainConfig, build_config
 
 
 def config_from(argv: list[str]) -> TrainConfig:

@@ -9,11 +9,11 @@ import torch
 from tiny import tiny_config
 
 from benchmarks.autograd_reference import cosine, exact_grads_energy
-from trainer2.train_config import ConfigError, TrainConfig
 from trainer2.learning.gradients import ep_gradients
 from trainer2.physics.couplings import Conv
 from trainer2.physics.machine import build_machine
 from trainer2.physics.relaxation import Relaxation
+from trainer2.train_config import ConfigError, TrainConfig
 
 F64 = torch.float64
 # (below shape, spec): pooling that divides the image, that drops a row and column (9 by 2), stride-1 (pool 1), pool 3
@@ -138,12 +138,12 @@ def test_config_refuses_a_malformed_conv_entry(spec, error):
 def test_conv_above_flat_data_is_a_config_error_naming_the_layer():
     cfg = TrainConfig(layers=[{"dense": 8}, {"conv": {"channels": 2}}])
     with pytest.raises(ConfigError, match=r"layers: layer 1 \(conv\): a conv layer needs an image-shaped layer"):
-        build_machine(cfg, 3, 12, False, torch.device("cpu"), (3, 2, 2))
+        build_machine(cfg, 3, 12, False, torch.device("cpu"), (3, 2, 2), seed=cfg.seed)
 
 
 def conv_machine(layers, image=(2, 6, 6), **overrides):
     cfg = TrainConfig(**{**tiny_config().model_dump(), "layers": layers, **overrides})
-    m = build_machine(cfg, 5, math.prod(image), False, torch.device("cpu"), image)
+    m = build_machine(cfg, 5, math.prod(image), False, torch.device("cpu"), image, seed=cfg.seed)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for c in m.energy.couplings:

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer2.data.dataset import BUILTIN_SOURCE, DataError, Dataset, Sampler, heldout_batches, load_dataset
+from trainer2.data.dataset import DataError, Dataset, heldout_batches
+from trainer2.data.load import load_dataset
+from trainer2.data.sampler import RandpermSampler as Sampler
+from trainer2.data.text import BUILTIN_SOURCE
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 10
 
@@ -128,7 +131,7 @@ def test_tokens_use_the_smallest_integer_type(tmp_path: Path) -> None:
 
 def test_text_read_in_chunks_splits_no_character(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # 7-byte chunks cut 2-, 3- and 4-byte characters in half; the result must equal a whole-file decode.
-    monkeypatch.setattr("trainer2.data.dataset.TEXT_CHUNK", 7)
+    monkeypatch.setattr("trainer2.data.tokens.TEXT_CHUNK", 7)
     content = "a\u00e9\u2014\U0001f600 zb\n" * 40
     ds = load_dataset(write_text(tmp_path, content), context_len=3)
     assert ds.vocab == sorted(set(content))

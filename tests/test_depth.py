@@ -37,7 +37,7 @@ def smallest_curvature(m: Machine) -> float:
 
 def deep(hidden: list[int], cap: float = 0.7, coord: int = 6) -> tuple:
     cfg = tiny_config(hidden_sizes=hidden, coord_dim_n=coord, spectral_cap=cap)
-    return cfg, build_machine(cfg, 7, cfg.context_len, True, torch.device("cpu"))
+    return cfg, build_machine(cfg, 7, cfg.context_len, True, torch.device("cpu"), seed=cfg.seed)
 
 
 def test_explicit_hessian_is_the_energy_hessian():
@@ -91,7 +91,7 @@ def test_aligned_machine_after_projection_has_curvature_one_minus_cap(depth):
     vecs = [
         torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=torch.float64), dim=0) for w in coupling_weights(m)
     ]
-    project_constraints(m, cfg, vecs)  # rank one: two power steps find sigma exactly
+    project_constraints(m, vecs)  # rank one: two power steps find sigma exactly
     assert smallest_curvature(m) == pytest.approx(1 - cfg.spectral_cap, abs=1e-9)
 
 
@@ -111,7 +111,7 @@ def test_random_deep_machine_stays_convex_after_projection(hidden):
         torch.nn.functional.normalize(torch.ones(w.shape[0], dtype=torch.float64), dim=0) for w in coupling_weights(m)
     ]
     for _ in range(30):  # two power steps per call, as after every update
-        project_constraints(m, cfg, vecs)
+        project_constraints(m, vecs)
     norms = [float(torch.linalg.matrix_norm(w, ord=2)) for w in coupling_weights(m)]
     assert max(norms) <= coupling_cap(cfg) * (1 + 1e-9)
     assert smallest_curvature(m) >= 1 - cfg.spectral_cap - 1e-9
@@ -121,7 +121,7 @@ def test_random_deep_machine_stays_convex_after_projection(hidden):
 def test_deep_initialisation_starts_convex(hidden):
     """A uniform(1/sqrt(fan_in)) 256 x 256 coupling has spectral norm about 1.15; the build scales it to the cap."""
     cfg = tiny_config(hidden_sizes=hidden, coord_dim_n=16, spectral_cap=0.7, dtype="float32")
-    m = build_machine(cfg, 7, cfg.context_len, True, torch.device("cpu"))
+    m = build_machine(cfg, 7, cfg.context_len, True, torch.device("cpu"), seed=cfg.seed)
     norms = [float(torch.linalg.matrix_norm(w.double(), ord=2)) for w in coupling_weights(m)]
     assert max(norms) <= coupling_cap(cfg) * (1 + 1e-6)
     assert smallest_curvature(m) >= 1 - cfg.spectral_cap - 1e-6

@@ -23,10 +23,10 @@ import torch
 from safetensors.torch import load_file
 
 from trainer2.cli import main
-from trainer2.train_config import ConfigError, TrainConfig
 from trainer2.learning.params import ParamTable
 from trainer2.learning.step import GradReducer
 from trainer2.running.distributed import Distributed, DistributedError, init_distributed, rank_label
+from trainer2.train_config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOWS = 20
@@ -291,7 +291,7 @@ def _worker(rank: int, world: int, init: str, results: str) -> None:
 
     cfg = tiny_config()
     m = tiny_machine(cfg)
-    table = ParamTable.build(m, cfg)
+    table = ParamTable.build(m, cfg.eta_scales, cfg.weight_decay)
     up = Updater(m, cfg, table)
     reducer = GradReducer(up.grad, d)
     grads = {n: torch.full_like(t, float(rank + 1)) for n, t in zip(table.names, table.tensors)}

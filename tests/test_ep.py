@@ -6,9 +6,9 @@ import torch
 from tiny import tiny_batch, tiny_config, tiny_machine
 
 from benchmarks.autograd_reference import cosine, exact_grads
-from trainer2.train_config import TrainConfig
 from trainer2.learning.gradients import embedding_grad, ep_gradients
 from trainer2.physics.relaxation import Relaxation
+from trainer2.train_config import TrainConfig
 
 
 def ep_and_exact(**overrides):

@@ -31,15 +31,16 @@ from test_checkpoint import (
 )
 
 from trainer2.cli import main
-from trainer2.train_config import preset_dir, read_yaml
+from trainer2.learning.gradients import ep_gradients
 from trainer2.monitor import telemetry as telemetry_module
 from trainer2.monitor.telemetry import TELEMETRY_FILE, read_telemetry
-from trainer2.learning.gradients import ep_gradients
+from trainer2.presets import preset_dir, read_yaml
 from trainer2.running import checkpoint as ck
+from trainer2.running.checkpointing import HISTORY_ROWS
 from trainer2.running.health import Diverged
 from trainer2.running.rundir import LOCK_FILE, RunLock, fresh_name
 from trainer2.running.signals import StopSignals
-from trainer2.running.trainer import HISTORY_ROWS, Trainer
+from trainer2.running.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 PATIENCE = 180.0  # seconds to wait for a subprocess on a loaded machine; polling ends as soon as it is there
@@ -180,7 +181,7 @@ def test_ctrl_c_before_training_starts_is_not_a_traceback_and_leaves_no_director
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("trainer2.running.parts.load_text_or_features", interrupted)
+    monkeypatch.setattr("trainer2.running.parts.load_data", interrupted)
     assert main(flags(tmp_path, small_text, run_name="early")) == 130
     assert "interrupted" in capsys.readouterr().err
     assert not run_dir(tmp_path, "early").exists()  # the directory the lock created held nothing: removed

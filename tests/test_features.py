@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from trainer2.cli import main
-from trainer2.train_config import TrainConfig
 from trainer2.running.trainer import Trainer
+from trainer2.train_config import TrainConfig
 
 TINY = [
     "--hidden_sizes",

@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from trainer2.cli import main
-from trainer2.train_config import TrainConfig
-from trainer2.data.dataset import DataError, load_dataset
+from trainer2.data.dataset import DataError
+from trainer2.data.load import load_dataset
 from trainer2.running.trainer import Trainer
+from trainer2.train_config import TrainConfig
 
 
 def idx_bytes(a: np.ndarray) -> bytes:

@@ -83,7 +83,7 @@ def test_the_installed_wheel_runs_every_command_from_another_directory(installed
         site,
         sys.executable,
         "-c",
-        "import trainer2, trainer2.train_config as c; print(trainer2.__file__); print(c.preset_path('dev'))",
+        "import trainer2, trainer2.presets as c; print(trainer2.__file__); print(c.preset_path('dev'))",
     )
     assert r.returncode == 0, r.stderr
     module, preset = (Path(line) for line in r.stdout.splitlines())

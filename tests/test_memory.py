@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import tiny_batch, tiny_config, tiny_machine
 
-from trainer2.train_config import ConfigError, build_config
 from trainer2.learning.gradients import ep_gradients
 from trainer2.learning.step import build_step
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.readout import ReadoutScratch, readout_frame, readout_loss_and_grads, target_mask
 from trainer2.physics.relaxation import Relaxation
+from trainer2.train_config import ConfigError, build_config
 
 
 def bank(capacity: int, batch: int, n: int = 2) -> MemoryBank:
@@ -100,7 +100,7 @@ def test_step_writes_the_free_equilibrium_after_the_update() -> None:
     cfg = tiny_config(free_steps=20, nudge_steps=10, memory_capacity=12)
     m = tiny_machine(cfg)
     b = bank(capacity=12, batch=cfg.batch_size, n=cfg.coord_dim_n)
-    step = build_step(m, cfg, cfg.batch_size, b)
+    step = build_step(m, cfg, cfg, cfg.batch_size, b)
     inputs, targets = tiny_batch(cfg)
     with torch.no_grad():
         step.step(inputs, targets)
@@ -114,7 +114,7 @@ def test_bank_round_trips_through_safetensors(tmp_path) -> None:
     # The checkpoint module (another branch) saves MemoryBank.tensors() with safetensors and copies them back in place.
     cfg = tiny_config(free_steps=20, nudge_steps=10, memory_capacity=13)
     b = bank(capacity=13, batch=cfg.batch_size, n=cfg.coord_dim_n)
-    step = build_step(tiny_machine(cfg), cfg, cfg.batch_size, b)
+    step = build_step(tiny_machine(cfg), cfg, cfg, cfg.batch_size, b)
     with torch.no_grad():
         for seed in range(3):
             step.step(*tiny_batch(cfg, seed=seed))  # 15 writes into 13 slots: wrapped, ptr = 2

@@ -29,7 +29,7 @@ def test_the_scored_characters_are_the_trainers_held_out_examples(small_text):
     """Same targets, same histories as Dataset.batch('heldout'): a bigram scored from the trainer's own examples."""
     import torch
 
-    from trainer2.data.dataset import load_dataset
+    from trainer2.data.load import load_dataset
 
     data = load_dataset(str(small_text), context_len=4)
     vocab, k = len(data.vocab), 0.1

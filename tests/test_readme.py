@@ -14,8 +14,8 @@ from typing import Callable
 import pytest
 
 from trainer2 import cli
-from trainer2.train_config import ConfigError, build_config
 from trainer2.flags import config_layers
+from trainer2.train_config import ConfigError, build_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -73,8 +73,13 @@ def invocation(tokens: list[str]) -> tuple[str, list[str]] | None:
         return "trainer2", tokens[3:]
     if python and tokens[1:3] == ["-m", "benchmarks.gpu_checks"]:  # the CUDA tests, then bench with these arguments
         return "trainer2", ["bench", *tokens[3:]]
-    if python and (bench := re.fullmatch(r"(?:\./)?benchmarks/(\w+)\.py", tokens[1])):
-        return f"benchmarks.{bench.group(1)}", tokens[2:]
+    if (
+        python
+        and tokens[1:2] == ["-m"]
+        and len(tokens) > 2
+        and (bench := re.fullmatch(r"benchmarks\.(\w+)", tokens[2]))
+    ):
+        return f"benchmarks.{bench.group(1)}", tokens[3:]  # the benchmarks import trainer2 and each other as packages
     if python and tokens[1].endswith("main.py"):
         return "trainer2", tokens[2:]
     if tokens[0] == "torchrun" or (python and tokens[1:3] == ["-m", "torch.distributed.run"]):
@@ -237,8 +242,8 @@ def test_unknown_flag_is_caught(tmp_path: Path, monkeypatch: Patch, capsys: Capt
         "torchrun --nproc_per_node 2 main.py --preset dev --spectral_cap 2\n"
         "python main.py sample --checkpoint c --temprature 0.8\n```\n\n"
         "or `trainer2 --preset dev --max_w 3`, or\n\n"
-        "    python benchmarks/quality.py --skip exact ff --hiden_sizes 512\n"
-        "    python benchmarks/ep_cosine.py --preset dev --train_steps 3000\n"
+        "    python -m benchmarks.quality --skip exact ff --hiden_sizes 512\n"
+        "    python -m benchmarks.ep_cosine --preset dev --train_steps 3000\n"
     )
     commands = commands_in(doc)
     assert [c.argv[-2] for c in commands] == [

@@ -20,11 +20,12 @@ import torch
 from test_checkpoint import config, fixture_saved, flags, run_dir  # noqa: F401 (fixture_saved: the fixture `saved`)
 
 from trainer2.cli import main
-from trainer2.data import dataset as data_module
-from trainer2.running import sizes
+from trainer2.data import npz as npz_module
+from trainer2.data import text as text_module
 from trainer2.learning.gradients import ep_gradients
 from trainer2.running import checkpoint as ck
 from trainer2.running import parts as parts_module
+from trainer2.running import sizes
 from trainer2.running.health import LOSS_STREAK, UNIFORM_FACTOR, Diverged, Health
 from trainer2.running.trainer import Trainer
 
@@ -258,7 +259,8 @@ def make_npz(path, x_header_shape, x_bytes: bytes):
 
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "zeros", "lying npz", "npz bomb"])
 def test_data_files_are_checked_before_they_are_read_to_the_end(tmp_path, capsys, monkeypatch, kind):
-    monkeypatch.setattr(data_module, "available_bytes", lambda device: 2.0 * 2**30)
+    for reader in (text_module, npz_module):
+        monkeypatch.setattr(reader, "available_bytes", lambda device: 2.0 * 2**30)
     if kind == "fifo":
         path, says = tmp_path / "pipe.txt", "is not a regular file"
         os.mkfifo(path)

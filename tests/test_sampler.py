@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from trainer2.data.dataset import DataError
-from trainer2.data.dataset import Sampler as RandpermSampler
-from trainer2.data.sampler import Sampler, permute
+from trainer2.data.sampler import RandpermSampler, Sampler, permute
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 15, 16, 17, 100, 1023, 1024, 1025, 4099])

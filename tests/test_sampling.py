@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from trainer2.cli import main
-from trainer2.train_config import TrainConfig
 from trainer2.data.dataset import DataError
 from trainer2.physics.relaxation import Relaxation
 from trainer2.running.sampling import generate, next_char_probs
 from trainer2.running.trainer import Trainer
+from trainer2.train_config import TrainConfig
 
 
 @pytest.fixture

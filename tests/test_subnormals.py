@@ -9,11 +9,11 @@ import torch
 from test_update import make_state
 from tiny import tiny_config
 
-from trainer2.train_config import build_config
 from trainer2.learning.subnormals import count_subnormals, flush_denormal, flush_subnormals_
 from trainer2.learning.update import flat_update
 from trainer2.physics.dead_units import dead_units
 from trainer2.running.trainer import Trainer
+from trainer2.train_config import build_config
 
 
 @pytest.fixture

@@ -18,12 +18,16 @@ from tiny import tiny_batch, tiny_config, tiny_machine
 from tqdm import std as tqdm_std
 from tqdm import tqdm
 
+from trainer2.callbacks import LoopState
 from trainer2.cli import main
-from trainer2.train_config import ConfigError, build_config, preset_path, read_yaml
-from trainer2.monitor.profiling import PHASES, PhaseTimer, drop_kineto_markers
-from trainer2.monitor.telemetry import CacheCleaner, Monitor, Telemetry, TelemetryError, read_telemetry, should_cleanup
 from trainer2.learning.step import build_step
+from trainer2.monitor.monitor import CacheCleaner, Monitor, should_cleanup
+from trainer2.monitor.profiling import PHASES, PhaseTimer, drop_kineto_markers
+from trainer2.monitor.progress import ProgressBar
+from trainer2.monitor.telemetry import Telemetry, TelemetryError, read_telemetry
+from trainer2.presets import read_yaml, yaml_layers
 from trainer2.running.trainer import Trainer
+from trainer2.train_config import ConfigError, build_config
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = {
@@ -104,7 +108,9 @@ def test_telemetry_has_one_json_line_per_interval_with_the_keys(small_text, tmp_
 def test_a_log_interval_reads_the_device_once(small_text, tmp_path, monkeypatch):
     cfg = build_config([("test", run_flags(small_text, tmp_path, timing_debug=True))])
     trainer = Trainer(cfg, log=lambda s: None)
-    trainer.monitor.start(0)
+    state = LoopState(0, 2)
+    trainer.monitor.bar.on_start(state)
+    trainer.monitor.on_start(state)
     for _ in range(2):
         trainer.batch_step.step(*trainer.next_batch())
         trainer.progress.window += 1
@@ -115,9 +121,9 @@ def test_a_log_interval_reads_the_device_once(small_text, tmp_path, monkeypatch)
             torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1]
         )
     row = trainer.sync_metrics()
-    trainer.monitor.record(row)
+    trainer.monitor.on_log(state, row)
     monkeypatch.undo()
-    trainer.monitor.close()
+    trainer.monitor.on_end(state)
     assert reads == ["tolist"]
     assert row["window"] == 2 and row["dropped_total"] == 0.0 and row["lr"] == pytest.approx(cfg.eta_update)
 
@@ -171,10 +177,10 @@ def test_read_telemetry_skips_a_torn_last_line_and_refuses_a_bad_one(tmp_path):
 
 
 def test_profiling_preset_writes_a_trace_that_names_every_phase(small_text, tmp_path, capfd):
-    preset = read_yaml(preset_path("profiling"))
-    assert preset["timing_debug"] and preset["profile_windows"] > 0
+    preset = yaml_layers("profiling")
+    assert preset[-1][1]["timing_debug"] and preset[-1][1]["profile_windows"] > 0
     over = run_flags(small_text, tmp_path, run_name="profiling", max_windows=9, log_every_windows=4, profile_windows=4)
-    cfg = build_config([("preset profiling", preset), ("test", over)])
+    cfg = build_config([*preset, ("test", over)])
     Trainer(cfg, log=lambda s: None).train()
     run_dir = tmp_path / "profiling"
     trace = json.loads((run_dir / "profile_trace.json").read_text())
@@ -223,7 +229,7 @@ def test_step_progress_and_phase_timing_leave_the_result_unchanged():
     cfg = tiny_config(free_steps=8, nudge_steps=4)
     plain, watched = tiny_machine(cfg), tiny_machine(cfg)
     calls, timer = [], PhaseTimer(torch.device("cpu"), timing=True)
-    a, b = build_step(plain, cfg, cfg.batch_size), build_step(watched, cfg, cfg.batch_size)
+    a, b = build_step(plain, cfg, cfg, cfg.batch_size), build_step(watched, cfg, cfg, cfg.batch_size)
     b.relax.phase, b.relax.progress_every, b.relax.on_steps = timer.phase, 3, lambda *args: calls.append(args)
     with torch.no_grad():
         for seed in (1, 2):
@@ -245,9 +251,9 @@ def test_step_progress_and_phase_timing_leave_the_result_unchanged():
 
 def test_a_step_that_is_not_eager_is_timed_whole_and_reports_progress_at_window_boundaries(tmp_path):
     cfg = tiny_config(step_progress_every=4, timing_debug=True, free_steps=8, nudge_steps=4)
-    step = build_step(tiny_machine(cfg), cfg, cfg.batch_size)
+    step = build_step(tiny_machine(cfg), cfg, cfg, cfg.batch_size)
     said = []
-    mon = Monitor(cfg, torch.device("cpu"), tmp_path, eager=False, log=said.append)
+    mon = Monitor(cfg, torch.device("cpu"), tmp_path, False, step.relax, ProgressBar("run", True), log=said.append)
     mon.attach(
         step.relax, tqdm(disable=False, file=io.StringIO()), "run"
     )  # as with CUDA graphs or torch.compile: nothing may run inside the step
@@ -267,7 +273,7 @@ def test_progress_bar_in_a_pipe_does_not_flood(small_text, tmp_path, capsys, mon
             super().__init__(*args, **{**kwargs, "disable": False})  # a bar that shows, whatever TQDM_DISABLE says
             bars.append(self)
 
-    monkeypatch.setattr("trainer2.running.trainer.tqdm", Spy)
+    monkeypatch.setattr("trainer2.monitor.progress.tqdm", Spy)
     cfg = build_config(
         [
             (
@@ -303,7 +309,7 @@ def test_the_compile_is_kept_out_of_the_progress_bars_rate_and_eta(small_text, t
             self.last = dict(self.format_dict)
             super().close()
 
-    monkeypatch.setattr("trainer2.running.trainer.tqdm", Spy)
+    monkeypatch.setattr("trainer2.monitor.progress.tqdm", Spy)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # a "compiled" step that is the eager one
     cfg = build_config(
         [("test", run_flags(small_text, tmp_path, use_torch_compile=True, max_windows=6, eval_every_windows=0))]
@@ -329,7 +335,7 @@ def test_a_disabled_bar_with_step_progress_runs_and_reads_nothing_per_step(small
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **{**kwargs, "disable": True})  # what TQDM_DISABLE=1 does (tqdm reads it at import)
 
-    monkeypatch.setattr("trainer2.running.trainer.tqdm", Disabled)
+    monkeypatch.setattr("trainer2.monitor.progress.tqdm", Disabled)
     cfg = build_config(
         [
             (

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from trainer2.data import token_cache as tc
-from trainer2.data.dataset import DataError, load_dataset
+from trainer2.data.dataset import DataError
+from trainer2.data.load import load_dataset
 from trainer2.running.checkpoint import data_fingerprint
 
 TEXT = "The quick brown fox jumps over the lazy dog; naïve café, 42.\n"
@@ -29,7 +30,7 @@ def corpus(tmp_path, monkeypatch) -> Path:
 
 
 def load(f: Path, where: str = "auto"):
-    return tc.load_text_or_features(str(f), 8, 0.1, where)
+    return load_dataset(str(f), 8, 0.1, where)
 
 
 def same_as_in_memory(data, f: Path) -> bool:
@@ -161,13 +162,14 @@ def test_off_tokenizes_in_memory_and_writes_nothing(corpus):
 CHILD = """
 import hashlib, sys
 from trainer2.data import token_cache as tc
+from trainer2.data.load import load_dataset
 from trainer2.running.checkpoint import data_fingerprint
 write = tc.write_cache
 def counted(*args):
     print("wrote", flush=True)
     return write(*args)
 tc.write_cache = counted
-data = tc.load_text_or_features(sys.argv[1], 8, 0.1, "auto")
+data = load_dataset(sys.argv[1], 8, 0.1, "auto")
 print("tokens", hashlib.sha256(data.train.numpy().tobytes() + data.heldout.numpy().tobytes()).hexdigest())
 """
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from trainer2.cli import main
-from trainer2.train_config import ConfigError, build_config
 from trainer2.monitor.telemetry import read_telemetry
 from trainer2.monitor.tensorboard import TB_DIR, tag
 from trainer2.running.trainer import Trainer
+from trainer2.train_config import ConfigError, build_config
 
 
 def tiny(data: Path, ck: Path, **over) -> list[str]:

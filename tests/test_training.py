@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from trainer2.cli import main
-from trainer2.train_config import build_config
 from trainer2.learning.step import BatchStep
 from trainer2.running.trainer import Trainer
+from trainer2.train_config import build_config
 
 FAST = dict(
     hidden_sizes=[32],

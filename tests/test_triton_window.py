@@ -29,7 +29,6 @@ from tiny import tiny_batch, tiny_config, tiny_machine  # noqa: E402
 
 from benchmarks.autograd_reference import cosine  # noqa: E402
 from benchmarks.exact_gradient_reference import exact_gradients  # noqa: E402
-from trainer2.train_config import build_config  # noqa: E402
 from trainer2.learning.gradients import ep_gradients  # noqa: E402
 from trainer2.physics.dynamics import fixed_point_steps  # noqa: E402
 from trainer2.physics.kernels import free_phase, nudged_phase  # noqa: E402
@@ -37,6 +36,7 @@ from trainer2.physics.kernels.backend import TritonWindow  # noqa: E402
 from trainer2.physics.memory import MemoryBank  # noqa: E402
 from trainer2.physics.relaxation import Relaxation  # noqa: E402
 from trainer2.running.trainer import Trainer  # noqa: E402
+from trainer2.train_config import build_config  # noqa: E402
 
 TOL = {"float32": 1e-5, "float64": 1e-10}  # largest |triton - torch| relative to the largest |torch|, per tensor
 

@@ -9,10 +9,10 @@ import pytest
 from tiny import tiny_config, tiny_machine
 
 from trainer2.cli import main
-from trainer2.train_config import ConfigError
 from trainer2.physics.dynamics import Integrator, fixed_point_steps, leapfrog_steps
 from trainer2.physics.kernels import backend
 from trainer2.physics.relaxation import Relaxation
+from trainer2.train_config import ConfigError
 
 FIXED = Integrator(1.0, 1.0, 1.0)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer2.train_config import TrainConfig
 from trainer2.physics.machine import Machine, build_machine
+from trainer2.train_config import TrainConfig
 
 
 def tiny_config(**overrides) -> TrainConfig:
@@ -31,7 +31,7 @@ def tiny_config(**overrides) -> TrainConfig:
 
 def tiny_machine(cfg: TrainConfig, num_classes: int = 7) -> Machine:
     """A machine with non-trivial biases, rotor angles and metric, so every gradient is exercised."""
-    m = build_machine(cfg, num_classes, cfg.context_len, True, torch.device("cpu"))
+    m = build_machine(cfg, num_classes, cfg.context_len, True, torch.device("cpu"), seed=cfg.seed)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for b in m.energy.biases:

@@ -15,25 +15,26 @@ import shlex
 import signal
 import sys
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from trainer2.train_config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
+from trainer2.data.dataset import DataError
 from trainer2.flags import add_config_flags, config_layers, none_or
 from trainer2.io import strictjson
 from trainer2.io.console import say
-from trainer2.data.dataset import DataError
 from trainer2.monitor.plot import cmd_plot
-from trainer2.monitor.tensorboard import check_tracking
+from trainer2.presets import preset_names, preset_path
 from trainer2.running.checkpoint import CheckpointError, read_meta
-from trainer2.running.distributed import Distributed, DistributedError, init_distributed, rank_label
+from trainer2.running.distributed import DistributedError, init_distributed, rank_label
 from trainer2.running.health import Diverged
-from trainer2.running.resume import fresh_layers, fresh_run_guard, resume_config, resume_layers, resume_target
-from trainer2.running.rundir import RunDirError, RunLock, remove_orphans
+from trainer2.running.resume import fresh_layers, resume_config, resume_layers, resume_target
+from trainer2.running.rundir import RunDirError
 from trainer2.running.signals import exit_code
+from trainer2.running.summary import done_line
+from trainer2.section import ConfigError
+from trainer2.train_config import TrainConfig, annotated_yaml, build_config, config_origins
 
 EXIT_REFUSED, EXIT_DIVERGED, EXIT_IOERR = 2, 3, 74  # 74: EX_IOERR of sysexits.h
 
@@ -47,7 +48,7 @@ def train_parser() -> argparse.ArgumentParser:
         "Other commands: trainer2 evaluate|sample|bench|plot --help",
     )
     p.add_argument(
-        "--preset", help="Preset name (dev, production, deep, profiling; shipped in the package) or a YAML path."
+        "--preset", help=f"Preset name ({', '.join(preset_names())}; shipped in the package) or a YAML path."
     )
     p.add_argument("--config", help="YAML file of config fields, applied over the preset.")
     p.add_argument(
@@ -89,38 +90,25 @@ def cmd_train(argv: list[str]) -> int:
         )
     if args.print_config:
         return print_config(args)
-    from trainer2.running.trainer import Trainer
+    from trainer2.running.run import train
 
     layers = config_layers(args)
+    path = None
     if args.resume:
-        run_dir = resume_target(args.resume, layers)
+        cfg, path = resume_config(args.resume, layers, resume_target(args.resume, layers))
     else:
         cfg = build_config(fresh_layers(layers, preset_path(args.preset).stem if args.preset else "run"))
-        run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
-    writer = Distributed.from_env(
-        os.environ
-    ).is_main  # under torchrun only rank 0 writes, so only it owns the directory
-    with RunLock(run_dir) if writer else nullcontext():  # held until the run ends: a second run here is refused
-        if args.resume:
-            cfg, path = resume_config(args.resume, layers, run_dir)
-        elif writer:
-            fresh_run_guard(run_dir)
-        if writer:
-            remove_orphans(run_dir, say)
-        check_tracking(cfg)
-        dist = init_distributed(cfg)  # under torchrun: this process's rank and its process group
-        try:
-            trainer = Trainer(cfg, log=say if dist.is_main else quiet, dist=dist)
-            if args.resume:
-                trainer.load_checkpoint(path)
-            summary = trainer.train()
-        except Diverged as e:
-            print(f"trainer2: error{rank_label()}: {e}", file=sys.stderr)
-            return EXIT_DIVERGED
-        finally:
-            dist.close()
+    dist = init_distributed(cfg)  # under torchrun: this process's rank and its process group
+    try:
+        run = train(cfg, resume=path, log=say if dist.is_main else quiet, dist=dist, announce_stop=False)
+    except Diverged as e:
+        print(f"trainer2: error{rank_label()}: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
+    finally:
+        dist.close()
     if not dist.is_main:
         return 0
+    summary = run.summary
     if summary["interrupted"]:
         print(
             f"trainer2: stopped by {summary['interrupted']} after window {summary['windows']}; resume with: "
@@ -135,19 +123,6 @@ def cmd_train(argv: list[str]) -> int:
 def quiet(msg: str) -> None:
     """The log of ranks other than 0: they print nothing."""
     del msg
-
-
-def done_line(summary: dict) -> str:
-    """The one-line result of a finished run; a non-finite figure (null in summary.json) says so."""
-
-    def fmt(key: str) -> str:
-        return "non-finite" if summary.get(key) is None else f"{summary[key]:.3f}"
-
-    score = f"bpc {fmt('heldout_bpc')}" if "heldout_bpc" in summary else f"loss {fmt('heldout_loss')} nats/example"
-    return (
-        f"done: {summary['windows']} windows, {summary['examples_seen']} examples in {summary['wall_seconds']:.1f}s "
-        f"({summary['windows_per_second']:.2f} win/s); held-out {score}, acc {fmt('heldout_acc')}"
-    )
 
 
 def resume_command(cfg: TrainConfig) -> str:
@@ -194,10 +169,11 @@ def cmd_evaluate(argv: list[str]) -> int:
     )
     args = vars(p.parse_args(argv))
     path = Path(args.pop("checkpoint"))
-    from trainer2.running.evaluation import load_trained
+    from trainer2.running.model import load
 
-    trained = load_trained(path, args)
-    out = {"checkpoint": str(path), "window": trained.window, **trained.evaluate()}
+    model = load(path, **args)
+    print(f"loaded {path} (window {model.window})", file=sys.stderr)
+    out = {"checkpoint": str(path), "window": model.window, **model.evaluate()}
     print(strictjson.dumps(out, indent=2))
     return 0
 
@@ -225,6 +201,10 @@ def show_note(
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # A component named by a dotted path (--layers my_couplings.WideDense:64) comes from the user's own module: look in
+    # the working directory too, as `python -m` would (a script's path starts at the script's own directory).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     command = COMMANDS.get(argv[0]) if argv else None
     run = command or cmd_train
     try:

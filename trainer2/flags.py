@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from pathlib import Path
 from typing import Any, Callable, Literal
 
-from trainer2.train_config import ConfigError, TrainConfig, accepted_keys, build_config, preset_path, read_yaml
+from trainer2.presets import yaml_layers
+from trainer2.section import ConfigError
+from trainer2.train_config import TrainConfig, accepted_keys, build_config
 
 
 def none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -21,7 +22,8 @@ def none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def layer_flag(text: str) -> dict[str, Any]:
-    """--layers entries: KIND:SIZE (dense:256) -> {KIND: SIZE}; the config validates kind and size."""
+    """--layers entries: KIND:SIZE (dense:256, my_couplings.WideDense:64) -> {KIND: SIZE}; the config validates kind
+    and size."""
     kind, sep, size = text.partition(":")
     if not sep or not size.strip().lstrip("-").isdigit():
         raise argparse.ArgumentTypeError(f"expected KIND:SIZE such as dense:256, got {text!r}")
@@ -79,10 +81,17 @@ def config_layers(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
                 f"--{flag}: empty; expected " + ("a preset name or a YAML path" if flag == "preset" else "a YAML path")
             )
     if args.preset:
-        path = preset_path(args.preset)
-        layers.append((f"preset {path}", read_yaml(path)))
+        layers.extend(yaml_layers(args.preset, "preset"))
     if args.config:
-        layers.append((f"config {args.config}", read_yaml(Path(args.config))))
+        layers.extend(yaml_layers(args.config, "config"))
     flags = {k: v for k, v in vars(args).items() if k in accepted_keys()}
     layers.append(("command line", flags))
     return layers
+
+
+def flag_overrides(argv: list[str]) -> dict[str, Any]:
+    """The config fields a list of `--FIELD VALUE` flags sets, parsed as the command line parses them (the same
+    types, old names and errors); for scripts that pass flags on to `trainer2.config(preset, **overrides)`."""
+    parser = argparse.ArgumentParser(prog="trainer2 flags", allow_abbrev=False)
+    add_config_flags(parser)
+    return {k: v for k, v in vars(parser.parse_args(argv)).items() if k in accepted_keys()}

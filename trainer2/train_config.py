@@ -1,90 +1,33 @@
-"""TrainConfig: every knob of a run in one validated pydantic model, and the layering of presets.
+"""TrainConfig: every knob of a run in one validated model, assembled from the sections of the components, and the
+layering of presets, files and flags into one.
 
-Layers, lowest first: field defaults < preset YAML (configs/NAME.yaml) < --config FILE < flags.
-The presets ship inside the package as `trainer2.configs` (built from the top-level configs/).
+Layers, lowest first: field defaults < preset YAML (configs/NAME.yaml, trainer2/presets.py) < --config FILE < flags.
+Each component owns its section (trainer2/section.py) and is handed only that (`TrainConfig.section`); the fields
+that steer a run (where it writes, how the step runs, how long, what it logs) are this module's own.
 """
 
 from __future__ import annotations
 
-import importlib.resources
-import math
 import re
-import reprlib
-import stat
 import warnings
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from trainer2.physics.couplings import KINDS
+from trainer2.data.load import DataConfig
+from trainer2.learning.update import UpdateConfig
+from trainer2.physics.machine import MachineConfig
+from trainer2.physics.relaxation import DynamicsConfig
+from trainer2.section import ConfigError, Section, short_repr
 
-MAX_YAML_BYTES = 1 << 20  # a config is a few hundred bytes; the cap bounds what a hostile file can cost
-MAX_REPR = 200  # characters of an offending value an error message shows
 MAX_ERRORS = 10  # validation errors listed per message
-MAX_LR = 1.0  # largest learning rate of any parameter group (see _numerics)
-MAX_WIDTH, MAX_DEPTH = 2**20, 1024  # hidden layers: sane bounds; what fits in memory is trainer2.running.sizes' to say
-
-if TYPE_CHECKING:
-    from importlib.resources.abc import Traversable
-
-CHECKOUT_PRESETS = Path(__file__).resolve().parent.parent / "configs"  # configs/ beside trainer2/ in a source tree
+S = TypeVar("S", bound=Section)
 
 
-class ConfigError(ValueError):
-    """A bad config key, value, file or combination; the message names it."""
+class RunConfig(Section):
+    """Which run this is and where it computes and writes."""
 
-
-def short_repr(value: Any) -> str:
-    """repr(value) cut to about MAX_REPR characters (reprlib stops early), so an error never echoes a huge input."""
-    r = reprlib.Repr()
-    r.maxstring = r.maxother = MAX_REPR
-    text = r.repr(value)
-    return text if len(text) <= MAX_REPR else text[: MAX_REPR - 3] + "..."
-
-
-class _ConfigLoader(yaml.SafeLoader):
-    """SafeLoader without aliases (an alias bomb expands a few hundred bytes into gigabytes) that reads
-    1e-3 as a float, as YAML 1.2 does (PyYAML's YAML 1.1 rules make it a string)."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            raise yaml.composer.ComposerError(
-                None, None, "aliases (*name) are not allowed in a config file", self.peek_event().start_mark
-            )
-        return super().compose_node(parent, index)
-
-
-def _unique_keys(loader: _ConfigLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    """A mapping whose keys are unique: `lr: 1` twice in one file is a mistake, not "the last one wins"."""
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in seen
-        except TypeError:
-            continue  # an unhashable key: the constructor below refuses it
-        if duplicate:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {short_repr(key)}", key_node.start_mark)
-        seen.add(key)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-
-_ConfigLoader.add_constructor("tag:yaml.org,2002:map", lambda loader, node: _unique_keys(loader, node))
-_ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
-)
-
-
-class TrainConfig(BaseModel):
-    """One run of trainer2. Every field is also a command-line flag of the same name."""
-
-    # strict: no bool-as-int (YAML `max_windows: true` is not 1) and no numbers from strings; an int is
-    # still a valid float. allow_inf_nan=False: every float must be finite (YAML .inf, --dt inf).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
-
-    # --- run ---
     run_name: str = Field(
         "run",
         description="Name of the run; outputs go to <checkpoint_dir>/<run_name>/. On the command "
@@ -97,7 +40,6 @@ class TrainConfig(BaseModel):
         description="Seed for initialisation and the data sampler (what torch.manual_seed takes).",
     )
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
-    dtype: Literal["float32", "float64"] = Field("float32", description="Floating-point type of every tensor.")
     cpu_threads: int = Field(
         1,
         ge=0,
@@ -108,98 +50,33 @@ class TrainConfig(BaseModel):
     )
     checkpoint_dir: str = Field("checkpoints", description="Directory holding one folder per run.")
 
-    # --- data ---
-    data: str | None = Field(
-        None,
-        description=(
-            "UTF-8 text file, .npz feature or image set, MNIST IDX / CIFAR-10 batches directory, or "
-            "torchvision:NAME:ROOT; none = built-in pydoc corpus."
-        ),
-    )
-    context_len: int = Field(8, ge=1, le=2**16, description="Characters of context per example (text data).")
-    embed_dim: int = Field(16, ge=1, le=2**16, description="Embedding size per context character (text data).")
-    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of the data, by position, held out.")
-    augment_shift: int = Field(
-        0,
-        ge=0,
-        le=8,
-        description="Image data only: translate each training image by up to this many pixels in each direction "
-        "(edge-padded), fresh draws every window; 0 = off. Held-out images are never moved.",
-    )
-    token_cache: str = Field(
-        "auto",
-        min_length=1,
-        description="Where a text file's memory-mapped token cache lives: 'auto' (beside the file, else in "
-        "~/.cache/trainer2/tokens when that directory is read-only), a directory, or 'off' (tokenize into memory at "
-        "every start).",
-    )
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {short_repr(v)}")
+        return v
 
-    # --- machine ---
-    layers: list[dict[str, Any]] = Field(
-        [{"dense": 256}],
-        min_length=1,
-        description="The hidden layers h_1..h_M, lowest first, each {kind: spec} with the "
-        "kind of coupling that drives it from below: [{dense: 256}] is one dense layer of 256 units (on the command "
-        "line: --layers dense:256). --hidden_sizes 256 128 is shorthand for dense layers of those sizes.",
-    )
-    coord_dim_n: int = Field(16, ge=2, le=2048, description="Dimension n of the output coordinates q.")
-    rotor_k: int = Field(32, ge=0, le=2**24, description="Number of Givens rotations in the readout's rotor frame.")
-    retrieval_beta: float = Field(
-        1.0, gt=0.0, description="Inverse temperature of retrieval: p = softmax(-beta * cost)."
-    )
-    eps: float = Field(1e-6, gt=0.0, description="Added under the square root of the quadratic form spd.")
-    g_min: float = Field(0.05, gt=0.0, description="Lower clamp of the metric diagonal g_diag.")
-    g_max: float = Field(20.0, gt=0.0, description="Upper clamp of the metric diagonal g_diag.")
-    r_init: float = Field(16.0, gt=0.0, description="Initial resistance R_sc.")
-    r_min: float = Field(0.05, gt=0.0, description="Lower clamp of the resistance R_sc.")
-    out_init_scale: float = Field(0.5, gt=0.0, description="W_out starts at this multiple of the 1/sqrt(fan_in) scale.")
-    proto_init_scale: float = Field(0.1, gt=0.0, description="Standard deviation of the initial prototypes.")
-    spectral_cap: float = Field(
-        0.7,
-        gt=0.0,
-        lt=1.0,
-        description="Cap kappa on the couplings' part of E's Hessian, so its smallest "
-        "curvature is >= 1 - kappa at any depth: "
-        "each coupling between state layers is capped at kappa / (2 cos(pi/(M+2))) "
-        "for M hidden layers (kappa itself for one).",
-    )
-    memory_capacity: int = Field(
-        0, ge=0, le=2**31, description="Slots of the memory bank of recent equilibria; 0 = off."
-    )
+    @field_validator("run_name")
+    @classmethod
+    def _run_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v) or v.startswith("."):
+            raise ValueError(f"expected letters, digits, '_', '-' or '.' (not first), got {short_repr(v)}")
+        if re.fullmatch(r"step_\d+", v):  # a run directory named like a checkpoint would be taken for one
+            raise ValueError(f"{short_repr(v)} is shaped like a checkpoint directory (step_<N>); pick another name")
+        return v
 
-    # --- dynamics ---
-    free_steps: int = Field(
-        64, ge=1, le=10**6, description="Free-phase relaxation steps per window (formerly tbptt_window_steps)."
-    )
-    nudge_steps: int = Field(16, ge=1, le=10**6, description="Steps of each nudged phase.")
-    beta_nudge: float = Field(0.003, gt=0.0, description="Nudging strength beta.")
-    symmetric_nudge: bool = Field(
-        True, description="Nudge with +beta and -beta (bias O(beta^2)) instead of +beta only."
-    )
-    dt: float = Field(1.0, gt=0.0, description="Integrator step size.")
-    gamma: float = Field(1.0, ge=0.0, description="Damping; 0 = energy-conserving Stormer-Verlet (diagnostics only).")
-    mass: float = Field(1.0, gt=0.0, description="Mass of every state coordinate.")
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _checkpoint_dir(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must name a directory (use '.' for the current one)")
+        return v
 
-    # --- update ---
-    eta_update: float = Field(
-        0.003, gt=0.0, description="Base learning rate (energy couplings; other groups scale it)."
-    )
-    eta_readout_scale: float = Field(1.0, gt=0.0, description="Readout learning rate as a multiple of eta_update.")
-    eta_embed_scale: float = Field(1.0, gt=0.0, description="Embedding learning rate as a multiple of eta_update.")
-    update_rule: Literal["momentum", "adam"] = Field(
-        "adam", description="Hand-written update: heavy-ball momentum or Adam."
-    )
-    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Heavy-ball momentum, or Adam's beta1.")
-    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam's second-moment decay.")
-    adam_eps: float = Field(1e-8, gt=0.0, description="Adam's denominator epsilon.")
-    weight_decay: float = Field(0.0, ge=0.0, description="L2 weight decay on the energy couplings.")
-    lr_warmup_windows: int = Field(0, ge=0, description="Windows of linear learning-rate warm-up.")
-    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate decay after warm-up.")
-    lr_min_ratio: float = Field(
-        0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of the peak (cosine)."
-    )
 
-    # --- batching and speed ---
+class SpeedConfig(Section):
+    """How the batch step runs: batch shape, graphs, compilation, GPU library switches."""
+
     batch_size: int = Field(
         64,
         ge=1,
@@ -221,16 +98,14 @@ class TrainConfig(BaseModel):
         description="torch.compile mode; 'reduce-overhead' lets torch.compile record CUDA graphs itself "
         "instead of the runner capturing the compiled step.",
     )
-    window_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto",
-        description="Relaxation phases: 'torch' operators, or 'triton' (one kernel launch per phase; needs the kernels "
-        "extra and a CUDA device); 'auto' takes triton on CUDA where it can run, torch otherwise.",
-    )
     cudnn_benchmark: bool = Field(False, description="Set torch.backends.cudnn.benchmark.")
     cudnn_deterministic: bool = Field(False, description="Set torch.backends.cudnn.deterministic.")
     allow_tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere and newer GPUs.")
 
-    # --- loop, logging, evaluation, checkpoints ---
+
+class LoopConfig(Section):
+    """How long a run goes, and how often it logs, evaluates and saves."""
+
     max_windows: int | None = Field(
         2000, ge=1, le=10**15, description="Stop after this many windows (batches); none = no limit."
     )
@@ -266,58 +141,17 @@ class TrainConfig(BaseModel):
         description="Under torchrun: a collective that waits longer than this for another process fails the run.",
     )
 
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
-            raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {short_repr(v)}")
-        return v
+
+class TrainConfig(LoopConfig, SpeedConfig, UpdateConfig, DynamicsConfig, MachineConfig, DataConfig, RunConfig):
+    """One run of trainer2: the union of the sections. Every field is also a command-line flag of the same name."""
 
     @model_validator(mode="before")
     @classmethod
     def _legacy_names(cls, data: Any) -> Any:
         return upgrade_legacy(data) if isinstance(data, dict) else data
 
-    @field_validator("layers")
-    @classmethod
-    def _layers(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if len(v) > MAX_DEPTH:
-            raise ValueError(f"at most {MAX_DEPTH} hidden layers, got {len(v)}")
-        for i, entry in enumerate(v):
-            if len(entry) != 1 or next(iter(entry)) not in KINDS:
-                raise ValueError(
-                    f"layer {i}: expected one {{kind: spec}} entry with a kind in {sorted(KINDS)}, "
-                    f"got {short_repr(entry)}"
-                )
-            ((kind, spec),) = entry.items()
-            try:
-                size = math.prod(KINDS[kind].spec_size(spec))
-            except ValueError as e:
-                raise ValueError(f"layer {i} ({kind}): {e}") from None
-            if size > MAX_WIDTH:
-                raise ValueError(f"layer {i} ({kind}): at most {MAX_WIDTH} units a layer, got {size}")
-        return v
-
-    @field_validator("run_name")
-    @classmethod
-    def _run_name(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v) or v.startswith("."):
-            raise ValueError(f"expected letters, digits, '_', '-' or '.' (not first), got {short_repr(v)}")
-        if re.fullmatch(r"step_\d+", v):  # a run directory named like a checkpoint would be taken for one
-            raise ValueError(f"{short_repr(v)} is shaped like a checkpoint directory (step_<N>); pick another name")
-        return v
-
-    @field_validator("checkpoint_dir")
-    @classmethod
-    def _checkpoint_dir(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must name a directory (use '.' for the current one)")
-        return v
-
     @model_validator(mode="after")
-    def _cross_field(self) -> "TrainConfig":
-        if self.g_min >= self.g_max:
-            raise ValueError(f"g_min ({self.g_min}) must be below g_max ({self.g_max})")
+    def _cross_section(self) -> "TrainConfig":
         if self.use_cudagraphs and not self.static_shapes:
             raise ValueError("use_cudagraphs needs static_shapes (a graph replays fixed shapes): add --static_shapes")
         if self.use_cudagraphs and self.capture_batch_size is None:
@@ -334,30 +168,11 @@ class TrainConfig(BaseModel):
             )
         if self.max_windows is None and self.max_epochs is None:
             raise ValueError("set max_windows or max_epochs, or the run never ends")
-        self._numerics()
         return self
 
-    def _numerics(self) -> None:
-        """Refuse values that cannot work whatever the data: an unstable integrator, a learning rate above 1."""
-        # Damped leapfrog on a unit-stiffness mode: p <- (1 - gamma dt) p - dt s, s <- s + dt p / mass has
-        # |eigenvalues| < 1 iff dt^2/mass + 2 gamma dt < 4. The energy's Hessian has unit diagonal, so its
-        # stiffest mode is >= 1: outside this bound the free phase diverges for any couplings.
-        stiffness = self.dt**2 / self.mass + 2 * self.gamma * self.dt
-        if not stiffness < 4:
-            raise ValueError(
-                f"dt^2/mass + 2*gamma*dt = {stiffness:g} must be below 4 (dt {self.dt:g}, gamma {self.gamma:g}, "
-                f"mass {self.mass:g}): beyond it the leapfrog step is unstable on the energy's unit stiffness and the "
-                "free phase can never settle; lower dt or gamma, or raise mass (dt = gamma = mass = 1 is the default)"
-            )
-        for group, scale in (("energy", 1.0), ("readout", self.eta_readout_scale), ("embed", self.eta_embed_scale)):
-            lr = self.eta_update * scale
-            if lr > MAX_LR:
-                what = "eta_update" if group == "energy" else f"eta_update * eta_{group}_scale"
-                raise ValueError(
-                    f"the {group} learning rate {what} = {lr:g} must be at most {MAX_LR:g}: an Adam step moves every "
-                    "parameter by about the learning rate, and the couplings live below spectral_cap < 1, so a larger "
-                    "rate wrecks the model in one update (useful rates are around 1e-3 to 1e-2)"
-                )
+    def section(self, kind: type[S]) -> S:
+        """This config's values of one section's fields, as that section (the settings one component reads)."""
+        return kind.model_construct(**{name: getattr(self, name) for name in kind.model_fields})
 
 
 # Names a config may still use, and what they became: tbptt_window_steps was renamed (a note says so);
@@ -396,84 +211,6 @@ def field_names() -> list[str]:
 def accepted_keys() -> set[str]:
     """Every key a config file or layer may hold: the fields, their old names and the shorthands."""
     return set(field_names()) | set(RENAMED) | set(SHORTHANDS)
-
-
-def preset_dir() -> Path | Traversable:
-    """Where the presets are: configs/ of the source tree trainer2 runs from, else the installed package data.
-
-    A source tree (configs/ and pyproject.toml beside trainer2/) comes first, so a checkout always reads its
-    own configs/, even when another checkout is installed in editable mode."""
-    if CHECKOUT_PRESETS.is_dir() and (CHECKOUT_PRESETS.parent / "pyproject.toml").is_file():
-        return CHECKOUT_PRESETS
-    try:
-        return importlib.resources.files("trainer2.configs")
-    except ModuleNotFoundError:  # neither installed nor a checkout; the error below lists no presets
-        return CHECKOUT_PRESETS
-
-
-def preset_names() -> list[str]:
-    """The names --preset accepts (dev, production, profiling, ...)."""
-    found = preset_dir()
-    return (
-        sorted(p.name.removesuffix(".yaml") for p in found.iterdir() if p.name.endswith(".yaml"))
-        if found.is_dir()
-        else []
-    )
-
-
-def preset_path(name: str) -> Path | Traversable:
-    """The preset NAME (a .yaml in the presets), or NAME itself when it is a path to a YAML file."""
-    path = Path(name)
-    if path.suffix in (".yaml", ".yml") and path.exists():
-        return path
-    found = preset_dir() / f"{name}.yaml"
-    if not found.is_file():
-        raise ConfigError(
-            f"unknown preset {short_repr(name)}: expected one of {preset_names()} or a path to a YAML file "
-            f"(presets in {preset_dir()})"
-        )
-    return found
-
-
-def read_yaml(path: Path | Traversable) -> dict[str, Any]:
-    """A YAML mapping of config fields; unknown keys are refused here, naming the file."""
-    try:
-        if path.is_dir():
-            raise ConfigError(f"config file {path} is a directory; expected a YAML file of field: value lines")
-        if isinstance(path, Path):
-            if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block the read forever, /dev/zero never end
-                raise ConfigError(
-                    f"config file {path} is not a regular file (a pipe, socket or device); expected a YAML file"
-                )
-            size = path.stat().st_size
-            if size > MAX_YAML_BYTES:
-                raise ConfigError(
-                    f"config file {path} is {size} bytes; a config file may be at most {MAX_YAML_BYTES} bytes"
-                )
-            with open(path, encoding="utf-8") as f:  # a stream, so YAML errors name the file
-                data = yaml.load(f, Loader=_ConfigLoader)
-        else:  # a preset shipped inside the package, not on a plain file system
-            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(
-            f"config file {path} is not valid YAML: {e}"
-        ) from None  # PyYAML cuts its snippets at 75 characters
-    except RecursionError:
-        raise ConfigError(f"config file {path} is nested too deeply; expected a flat mapping of field: value") from None
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of field: value, got {type(data).__name__}")
-    unknown = sorted(set(data) - accepted_keys(), key=str)
-    if unknown:
-        raise ConfigError(
-            f"config file {path}: unknown key(s) {short_repr(unknown)}; every key must be a TrainConfig field "
-            "(see --help)"
-        )
-    return data
 
 
 def _follow_capture_batch(layer: dict[str, Any]) -> dict[str, Any]:

@@ -1,19 +1,23 @@
 """Image data sets in the formats people have on disk: an image .npz, the MNIST IDX files, the CIFAR-10 python batches.
 
 Every reader returns uint8 or float arrays x [N, C, H, W] and int labels y [N]; `image_dataset` normalises each channel
-by the training split's mean and standard deviation and flattens the images into rows, keeping their (C, H, W) shape
-for the couplings. The official test split is the held-out split where the format has one. Nothing downloads.
+by the training split's mean and standard deviation (kept in the data set, so new images are scored alike) and
+flattens the images into rows, keeping their (C, H, W) shape for the couplings. The official test split is the
+held-out split where the format has one. Nothing downloads.
 """
 
 from __future__ import annotations
 
 import gzip
 import pickle
-from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
+
+from trainer2.data.dataset import DataError, Dataset, split_rows
+from trainer2.data.load import DataConfig
 
 IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 MAX_IDX_BYTES = 1 << 33  # 8 GiB: a header claiming more is a corrupt or hostile file, refused before reading
@@ -30,51 +34,50 @@ CIFAR_GLOBALS = {
 }
 
 
-class DataError(ValueError):
-    """A malformed image file; trainer2.data.dataset re-raises it as its DataError (this module does not import that one)."""
-
-
-@dataclass(eq=False)
-class ImageSplits:
-    """Normalised images as rows (float32 [N, C*H*W]), labels int64 [N], per split; their (C, H, W) and class count."""
-
-    train: torch.Tensor
-    train_y: torch.Tensor
-    heldout: torch.Tensor
-    heldout_y: torch.Tensor
-    shape: tuple[int, int, int]
-    num_classes: int
-
-
-def image_splits(
+def image_dataset(
     source: str,
     x: np.ndarray,
     y: np.ndarray,
     x_held: np.ndarray | None,
     y_held: np.ndarray | None,
     heldout_fraction: float,
-) -> ImageSplits:
-    """Rows of x [N, H, W] or [N, C, H, W] and labels y [N]; held-out: the given split, else the last heldout_fraction
-    of the rows (by position). Each channel is normalised by the training split's mean and std."""
+) -> Dataset:
+    """Images x [N, H, W] or [N, C, H, W] with labels y [N] as normalised rows; held-out: the given split, else the
+    last heldout_fraction of the rows (by position). Each channel is normalised by the training split's mean and std."""
     if x_held is None or y_held is None:
-        n_train = min(len(x) - 1, max(1, len(x) - round(len(x) * heldout_fraction)))
+        n_train = split_rows(len(x), heldout_fraction)
         x, x_held, y, y_held = x[:n_train], x[n_train:], y[:n_train], y[n_train:]
     x, x_held = (a[:, None] if a.ndim == 3 else a for a in (x, x_held))
     if x.shape[1:] != x_held.shape[1:]:
         raise DataError(f"{source}: the train images are {x.shape[1:]} but the held-out ones {x_held.shape[1:]}")
-    num_classes = int(max(y.max(), y_held.max())) + 1
     mean = x.mean(axis=(0, 2, 3), dtype=np.float64)
     std = np.maximum(x.std(axis=(0, 2, 3), dtype=np.float64), 1e-8)  # a constant channel stays 0, not NaN
-
-    def rows(a: np.ndarray) -> torch.Tensor:
-        out = (a.astype(np.float32) - mean[:, None, None].astype(np.float32)) / std[:, None, None].astype(np.float32)
-        return torch.from_numpy(np.ascontiguousarray(out.reshape(len(a), -1)))
 
     def labels(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
-    c, h, w = x.shape[1:]
-    return ImageSplits(rows(x), labels(y), rows(x_held), labels(y_held), (c, h, w), num_classes)
+    train = normalised_rows(x, mean, std)
+    return Dataset(
+        kind="images",
+        source=source,
+        vocab=[],
+        num_classes=int(max(y.max(), y_held.max())) + 1,
+        input_dim=train.shape[1],
+        context_len=0,
+        train=train,
+        heldout=normalised_rows(x_held, mean, std),
+        train_y=labels(y),
+        heldout_y=labels(y_held),
+        input_shape=tuple(int(d) for d in x.shape[1:]),
+        normalise=(tuple(float(m) for m in mean), tuple(float(d) for d in std)),
+    )
+
+
+def normalised_rows(a: np.ndarray, mean: np.ndarray, std: np.ndarray) -> torch.Tensor:
+    """float32 rows [N, C*H*W] of images a [N, C, H, W]: (a - mean) / std per channel, in float32 as they train."""
+    mean32, std32 = np.asarray(mean, np.float32)[:, None, None], np.asarray(std, np.float32)[:, None, None]
+    out = (a.astype(np.float32) - mean32) / std32
+    return torch.from_numpy(np.ascontiguousarray(out.reshape(len(a), -1)))
 
 
 def check_images(source: str, x: np.ndarray, y: np.ndarray) -> None:
@@ -94,23 +97,43 @@ def check_images(source: str, x: np.ndarray, y: np.ndarray) -> None:
         raise DataError(f"{source}: images must be finite")
 
 
-def load_image_dir(path: str, heldout_fraction: float) -> ImageSplits:
-    """A directory of MNIST IDX files (train-images-idx3-ubyte and friends, gzipped or not; Fashion-MNIST too) or the
-    CIFAR-10 python batches (cifar-10-batches-py); the test files are the held-out split when present."""
-    d = Path(path)
-    if find(d, "train-images", "idx3-ubyte") is not None:
-        x, y, xt, yt = read_mnist_dir(d)
-    elif (d / CIFAR_TRAIN[0]).exists():
-        x, y, xt, yt = read_cifar10_dir(d)
-    else:
-        raise DataError(
-            f"{path}: a directory, but neither MNIST IDX files (train-images-idx3-ubyte[.gz], ...) nor "
-            "CIFAR-10 python batches (data_batch_1, ..., test_batch); expected one of those, a text file "
-            "or an .npz"
-        )
+class MnistDir:
+    """A directory of MNIST IDX files (train-images-idx3-ubyte and friends, gzipped or not; Fashion-MNIST too); the
+    t10k files are the held-out split when present."""
+
+    name: ClassVar[str] = "mnist"
+
+    @staticmethod
+    def recognises(path: str | None) -> bool:
+        return path is not None and Path(path).is_dir() and find(Path(path), "train-images", "idx3-ubyte") is not None
+
+    @staticmethod
+    def load(path: str | None, cfg: DataConfig) -> Dataset:
+        return from_splits(str(path), read_mnist_dir(Path(str(path))), cfg.heldout_fraction)
+
+
+class Cifar10Dir:
+    """The CIFAR-10 python batches (cifar-10-batches-py: data_batch_1..5, test_batch as the held-out split)."""
+
+    name: ClassVar[str] = "cifar10"
+
+    @staticmethod
+    def recognises(path: str | None) -> bool:
+        return path is not None and Path(path).is_dir() and (Path(path) / CIFAR_TRAIN[0]).exists()
+
+    @staticmethod
+    def load(path: str | None, cfg: DataConfig) -> Dataset:
+        return from_splits(str(path), read_cifar10_dir(Path(str(path))), cfg.heldout_fraction)
+
+
+def from_splits(
+    path: str, splits: tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None], heldout_fraction: float
+) -> Dataset:
+    """The image data set of a directory reader's (train images, labels, test images or None, labels or None)."""
+    x, y, xt, yt = splits
     if len(x) < (1 if xt is not None else 2):
         raise DataError(f"{path}: too few training images ({len(x)})")
-    return image_splits(path, x, y, xt, yt, heldout_fraction)
+    return image_dataset(path, x, y, xt, yt, heldout_fraction)
 
 
 def find(d: Path, stem: str, suffix: str) -> Path | None:
@@ -216,7 +239,22 @@ TORCHVISION_SETS = {
 }
 
 
-def load_torchvision(spec: str, heldout_fraction: float) -> ImageSplits:
+class TorchvisionSet:
+    """`torchvision:NAME:ROOT`: a torchvision data set (MNIST, CIFAR10, ...) already under ROOT, never downloaded; its
+    test split is the held-out split."""
+
+    name: ClassVar[str] = "torchvision"
+
+    @staticmethod
+    def recognises(path: str | None) -> bool:
+        return path is not None and path.startswith(TORCHVISION_PREFIX)
+
+    @staticmethod
+    def load(path: str | None, cfg: DataConfig) -> Dataset:
+        return load_torchvision(str(path), cfg.heldout_fraction)
+
+
+def load_torchvision(spec: str, heldout_fraction: float) -> Dataset:
     """`torchvision:NAME:ROOT`: the torchvision data set NAME (MNIST, CIFAR10, ...) already under ROOT, never
     downloaded; its test split is the held-out split. heldout_fraction is unused (every supported set has a test
     split)."""
@@ -245,4 +283,4 @@ def load_torchvision(spec: str, heldout_fraction: float) -> ImageSplits:
         check_images(f"{spec} ({kw})", x, y)
         splits.append((x, y))
     (x, y), (xt, yt) = splits
-    return image_splits(spec, x, y, xt, yt, heldout_fraction)
+    return image_dataset(spec, x, y, xt, yt, heldout_fraction)

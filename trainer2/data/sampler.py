@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from trainer2.data.dataset import DataError, check_batch
-from trainer2.data.dataset import Sampler as RandpermSampler
 
 FORMAT = 2  # sampler state format: 1 = torch.randperm epochs (checkpoints before issue 26), 2 = this Feistel sampler
 ROUNDS = 6  # Feistel rounds; 4 already give a pseudo-random permutation for a random round function
@@ -138,3 +137,66 @@ class Sampler:
 def sampler_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The sampler's entries of a checkpoint's tensors, without their "sampler." prefix."""
     return {k.removeprefix("sampler."): v for k, v in tensors.items() if k.startswith("sampler.")}
+
+
+class RandpermSampler:
+    """The sampler of checkpoints before issue 26 (format 1): shuffled epochs drawn by torch.randperm from its own
+    torch.Generator; a run resumed from such a checkpoint keeps its order.
+
+    Its state is O(1) whatever the data size: the generator state at the start of the current epoch, the
+    epoch and the position in it; the epoch's permutation is recomputed from them on load, never stored."""
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int) -> None:
+        check_batch(num_examples, batch_size)
+        self.num_examples = num_examples
+        self.batch_size = batch_size
+        self.batches_per_epoch = num_examples // batch_size
+        self.epoch = 0
+        self._generator = torch.Generator().manual_seed(seed)
+        self._epoch_start = self._generator.get_state()
+        self._perm: torch.Tensor | None = None  # drawn on first use: a sampler about to be loaded (resume,
+        self._pos = 0  # evaluate, sample) never draws a permutation it would throw away
+
+    def _permutation(self) -> torch.Tensor:
+        """This epoch's order, drawn on first use from the generator, which then sits at the epoch's start."""
+        if self._perm is None:
+            # int32 halves the memory and gives the same permutation as int64 (randperm's draws do not depend on it).
+            dtype = torch.int32 if self.num_examples < 2**31 else torch.int64
+            self._perm = torch.randperm(self.num_examples, generator=self._generator, dtype=dtype)
+        return self._perm
+
+    def next(self) -> torch.Tensor:
+        """Next int64 [batch_size] of example indices; the ragged tail of each epoch is dropped so shapes stay fixed."""
+        if self._pos + self.batch_size > self.num_examples:
+            self._permutation()  # the generator must be past this epoch's draw before the next epoch starts
+            self._epoch_start, self._perm, self._pos = self._generator.get_state(), None, 0
+            self.epoch += 1
+        batch = self._permutation()[self._pos : self._pos + self.batch_size].to(torch.int64)
+        self._pos += self.batch_size
+        return batch
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """All state as small tensors (generator at the epoch's start uint8 [S]; num_examples, epoch, pos int64 [])."""
+        return {
+            "generator": self._epoch_start.clone(),
+            "num_examples": torch.tensor(self.num_examples, dtype=torch.int64),
+            "epoch": torch.tensor(self.epoch, dtype=torch.int64),
+            "pos": torch.tensor(self._pos, dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore from state_dict(); afterwards next() continues exactly as the saved sampler would have."""
+        missing = {"generator", "num_examples", "epoch", "pos"} - state.keys()
+        if missing:
+            raise DataError(f"sampler state is missing {sorted(missing)}")
+        if int(state["num_examples"]) != self.num_examples:
+            raise DataError(
+                f"sampler state is for {int(state['num_examples'])} examples, "
+                f"expected {self.num_examples} (the data set changed?)"
+            )
+        pos = int(state["pos"])
+        if not 0 <= pos <= self.num_examples:
+            raise DataError(f"sampler state has position {pos}, expected 0..{self.num_examples}")
+        self._epoch_start = state["generator"].to(torch.uint8).clone()
+        self._generator.set_state(self._epoch_start)
+        self._perm, self._pos, self.epoch = None, pos, int(state["epoch"])  # the permutation is redrawn on use

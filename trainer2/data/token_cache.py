@@ -30,19 +30,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from trainer2.data.dataset import (
-    MAX_CODEPOINT,
-    DataError,
-    Dataset,
-    _check_file,
-    _codepoints,
-    load_dataset,
-    refuse_binary,
-    text_split,
-    text_split_sizes,
-    token_dtype,
-)
-from trainer2.data.images import TORCHVISION_PREFIX
+from trainer2.data.dataset import DataError, Dataset, check_file
+from trainer2.data.tokens import MAX_CODEPOINT, codepoints, refuse_binary, text_split, text_split_sizes, token_dtype
 
 MAGIC = b"TRAINER2-TOKENS\0"
 VERSION = 1
@@ -157,7 +146,7 @@ def _code_units(text: str) -> np.ndarray:
     units = text.encode("utf-16-le")
     if len(units) == 2 * len(text):
         return np.frombuffer(units, dtype=np.uint16)
-    return _codepoints(text)
+    return codepoints(text)
 
 
 def codepoint_chunks(path: Path) -> Iterator[np.ndarray]:
@@ -196,7 +185,8 @@ def write_cache(
 ) -> None:
     """Tokenize `source_path` in two streaming passes (vocabulary, then tokens written in order) into a temporary file
     beside `path`, then rename it into place. Layout: prefix | tokens from offset ALIGN | header (JSON). The ids and
-    their type are those of data.load_dataset, so the data fingerprint of a checkpoint does not change."""
+    their type are those of the in-memory tokenizer (trainer2.data.tokens.text_dataset), so the data fingerprint of a
+    checkpoint does not change."""
     name = str(source_path)
     seen = np.zeros(MAX_CODEPOINT + 1, dtype=bool)
     length = 0
@@ -311,7 +301,7 @@ def open_cache(source: Path, where: str, context_len: int, heldout_fraction: flo
 
 def cached_text_dataset(path: str, where: str, context_len: int, heldout_fraction: float) -> Dataset:
     """The text data set of file `path` over its mapped token cache (see the module docstring for `where`)."""
-    _check_file(path, "a UTF-8 text file or a .npz feature file")
+    check_file(path, "a UTF-8 text file or a .npz feature file")
     refuse_binary(path)  # before a pass over it: NUL bytes mean a binary file (its tokens need no memory: mapped)
     source = Path(path)
     places = [where] if where != "auto" else ["auto", str(user_cache_dir())]
@@ -330,15 +320,3 @@ def cached_text_dataset(path: str, where: str, context_len: int, heldout_fractio
         f"{path}: cannot write a token cache ({'; '.join(errors)}); pass --token_cache DIR (a writable "
         "directory) or --token_cache off"
     )
-
-
-def is_text_path(path: str) -> bool:
-    """Whether load_dataset reads `path` as a text file (not an .npz, an image directory or a torchvision set)."""
-    return not (path.endswith(".npz") or path.startswith(TORCHVISION_PREFIX) or Path(path).is_dir())
-
-
-def load_text_or_features(path: str | None, context_len: int, heldout_fraction: float, token_cache: str) -> Dataset:
-    """data.load_dataset, with text files served from their token cache unless token_cache is "off"."""
-    if path is None or token_cache == "off" or not is_text_path(path):
-        return load_dataset(path, context_len, heldout_fraction)
-    return cached_text_dataset(path, token_cache, context_len, heldout_fraction)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.train_config import TrainConfig
 from trainer2.physics.machine import Machine, split_flat
 
 GROUPS = ("energy", "readout", "embed")
@@ -31,13 +30,15 @@ class ParamTable:
     spans: dict[str, slice]  # each group's elements (groups are contiguous in the parameter order)
 
     @staticmethod
-    def build(machine: Machine, cfg: TrainConfig) -> "ParamTable":
+    def build(machine: Machine, eta_scales: dict[str, float], weight_decay: float) -> "ParamTable":
+        """The table of `machine`'s parameters; eta_scales: each group's lr multiplier (UpdateConfig.eta_scales);
+        weight_decay: the L2 decay of the couplings' decayed tensors."""
         named = machine.named_params()
-        scale = {"energy": 1.0, "readout": cfg.eta_readout_scale, "embed": cfg.eta_embed_scale}
+        scale = eta_scales
         group_of, decayed = machine.param_groups(), machine.energy.decayed()
         groups = tuple(group_of[n] for n in named)
         mults = tuple(scale[g] for g in groups)
-        decay = tuple(cfg.weight_decay if n in decayed else 0.0 for n in named)
+        decay = tuple(weight_decay if n in decayed else 0.0 for n in named)
         flat, sizes = machine.flat, [t.numel() for t in named.values()]
 
         def per_element(values: tuple[float, ...]) -> Tensor:

@@ -13,13 +13,12 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from trainer2.train_config import TrainConfig
 from trainer2.learning.gradients import GradientSource, ep_gradients
 from trainer2.learning.params import ParamTable
-from trainer2.learning.update import Updater
+from trainer2.learning.update import UpdateConfig, Updater
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
-from trainer2.physics.relaxation import Relaxation
+from trainer2.physics.relaxation import DynamicsConfig, Relaxation
 
 
 class Collectives(Protocol):
@@ -77,7 +76,8 @@ class BatchStep:
 
 def build_step(
     machine: Machine,
-    cfg: TrainConfig,
+    dynamics: DynamicsConfig,
+    update: UpdateConfig,
     batch: int,
     memory: MemoryBank | None = None,
     gradients: GradientSource = ep_gradients,
@@ -86,7 +86,7 @@ def build_step(
 ) -> BatchStep:
     """A batch step for `batch` examples over `machine`; EP gradients unless another source is given; under
     torchrun (`dist.launched`) the gradients are averaged over the ranks before the update."""
-    table = ParamTable.build(machine, cfg) if table is None else table
-    updater = Updater(machine, cfg, table)
+    table = ParamTable.build(machine, update.eta_scales, update.weight_decay) if table is None else table
+    updater = Updater(machine, update, table)
     reducer = GradReducer(updater.grad, dist) if dist is not None and dist.launched else None
-    return BatchStep(Relaxation(machine, cfg, batch, memory), gradients, updater, memory, reducer)
+    return BatchStep(Relaxation(machine, dynamics, batch, memory), gradients, updater, memory, reducer)

@@ -1,4 +1,5 @@
-"""The update half of a batch step: the hand-written update rule, the constraints, and the metric sums.
+"""The update half of a batch step: its settings (`UpdateConfig`), the hand-written update rule and learning-rate
+schedule, the constraints, and the metric sums.
 
 `flat_update` steps every parameter at once over the flat parameter buffer (heavy-ball or Adam); the
 learning rate lives in a device tensor, so a schedule never breaks a captured graph. Metrics are
@@ -7,16 +8,71 @@ accumulated by name on the device and read back in one transfer per log interval
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import Tensor
 
-from trainer2.train_config import TrainConfig
 from trainer2.learning.gradients import StepResult
 from trainer2.learning.params import GROUPS, ParamTable
 from trainer2.learning.subnormals import flush_subnormals_
 from trainer2.physics.machine import Machine, project_constraints
+from trainer2.section import Section
+
+MAX_LR = 1.0  # largest learning rate of any parameter group (see UpdateConfig._rates)
+
+
+class UpdateConfig(Section):
+    """The update rule, the learning rates of the parameter groups and their schedule."""
+
+    eta_update: float = Field(
+        0.003, gt=0.0, description="Base learning rate (energy couplings; other groups scale it)."
+    )
+    eta_readout_scale: float = Field(1.0, gt=0.0, description="Readout learning rate as a multiple of eta_update.")
+    eta_embed_scale: float = Field(1.0, gt=0.0, description="Embedding learning rate as a multiple of eta_update.")
+    update_rule: Literal["momentum", "adam"] = Field(
+        "adam", description="Hand-written update: heavy-ball momentum or Adam."
+    )
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Heavy-ball momentum, or Adam's beta1.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam's second-moment decay.")
+    adam_eps: float = Field(1e-8, gt=0.0, description="Adam's denominator epsilon.")
+    weight_decay: float = Field(0.0, ge=0.0, description="L2 weight decay on the energy couplings.")
+    lr_warmup_windows: int = Field(0, ge=0, description="Windows of linear learning-rate warm-up.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate decay after warm-up.")
+    lr_min_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of the peak (cosine)."
+    )
+
+    @property
+    def eta_scales(self) -> dict[str, float]:
+        """Each parameter group's learning rate as a multiple of eta_update."""
+        return {"energy": 1.0, "readout": self.eta_readout_scale, "embed": self.eta_embed_scale}
+
+    @model_validator(mode="after")
+    def _rates(self) -> "UpdateConfig":
+        for group, scale in self.eta_scales.items():
+            lr = self.eta_update * scale
+            if lr > MAX_LR:
+                what = "eta_update" if group == "energy" else f"eta_update * eta_{group}_scale"
+                raise ValueError(
+                    f"the {group} learning rate {what} = {lr:g} must be at most {MAX_LR:g}: an Adam step moves every "
+                    "parameter by about the learning rate, and the couplings live below spectral_cap < 1, so a larger "
+                    "rate wrecks the model in one update (useful rates are around 1e-3 to 1e-2)"
+                )
+        return self
+
+
+def lr_at(cfg: UpdateConfig, window: int, total: int) -> float:
+    """Learning rate for window `window` of `total`: linear warm-up, then constant or cosine to lr_min_ratio."""
+    if window < cfg.lr_warmup_windows:
+        return cfg.eta_update * (window + 1) / cfg.lr_warmup_windows
+    if cfg.lr_schedule == "constant":
+        return cfg.eta_update
+    frac = min(1.0, (window - cfg.lr_warmup_windows) / max(1, total - cfg.lr_warmup_windows))
+    return cfg.eta_update * (cfg.lr_min_ratio + (1 - cfg.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 @dataclass
@@ -33,7 +89,7 @@ class UpdateState:
     power_vecs: list[Tensor]
 
     @staticmethod
-    def allocate(flat: Tensor, power_sizes: list[int], cfg: TrainConfig) -> "UpdateState":
+    def allocate(flat: Tensor, power_sizes: list[int], cfg: UpdateConfig) -> "UpdateState":
         def scalar(v: float) -> Tensor:
             return torch.tensor(v, dtype=flat.dtype, device=flat.device)
 
@@ -63,7 +119,7 @@ def flat_update(
     st: UpdateState,
     mult: Tensor | None,
     decay: Tensor | None,
-    cfg: TrainConfig,
+    cfg: UpdateConfig,
     step: Tensor,
 ) -> Tensor:
     """One step of every parameter at once, over flat (P,) buffers: heavy-ball (buf = momentum * buf + grad,
@@ -146,7 +202,7 @@ class Updater:
     """Update state, constraints and metric sums for one machine; `gather` then `apply` is the update half of a batch
     step. The flat gradient buffer `grad` is where a gradient all-reduce (under torchrun) works in place."""
 
-    def __init__(self, machine: Machine, cfg: TrainConfig, table: ParamTable) -> None:
+    def __init__(self, machine: Machine, cfg: UpdateConfig, table: ParamTable) -> None:
         self.m, self.cfg, self.table = machine, cfg, table
         self.state = UpdateState.allocate(table.flat, [c.power_size for c in machine.energy.between_states], cfg)
         self.metrics = MetricSums(table.flat)
@@ -162,7 +218,7 @@ class Updater:
         """Update every parameter from the gathered gradient, project the constraints, add the window's metrics."""
         t = self.table
         ok = flat_update(t.flat, self.grad, self.state, t.mult, t.decay_flat, self.cfg, self.step)
-        project_constraints(self.m, self.cfg, self.state.power_vecs)
+        project_constraints(self.m, self.state.power_vecs)
         st = out.stats
         self.metrics.add(
             {

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainer2.train_config import ConfigError, TrainConfig
 from trainer2.io.safeio import refuse_links
+from trainer2.train_config import ConfigError, TrainConfig
 
 TB_DIR = "tb"
 MISSING_TENSORBOARD = (

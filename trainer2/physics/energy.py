@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer2.physics.couplings import KINDS, Coupling
+from trainer2.components import resolve
+from trainer2.physics.couplings import Conv, Coupling, Dense
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,12 @@ class Energy:
     def rebind(self, named: dict[str, Tensor]) -> "Energy":
         return replace(self, couplings=tuple(c.rebind(named) for c in self.couplings))
 
+    def kinds(self) -> list[str]:
+        """Each coupling's kind: a built-in's short name for the built-in class itself, else its class's dotted path
+        (a subclass of Dense may change what its pulls compute, so it is not "dense" to the Triton kernels)."""
+        builtin = {Dense: Dense.kind, Conv: Conv.kind}
+        return [builtin.get(type(c), f"{type(c).__module__}.{type(c).__qualname__}") for c in self.couplings]
+
     @property
     def weights(self) -> list[Tensor]:
         """W_1 .. W_out of a dense chain (tests and the autograd references read them)."""
@@ -76,7 +83,7 @@ def layer_shapes(
     for i, entry in enumerate(layers):
         ((kind, spec),) = entry.items()
         try:
-            below = KINDS[kind].spec_size(spec, below)
+            below = resolve("coupling", kind).spec_size(spec, below)
         except ValueError as e:
             raise ValueError(f"layer {i} ({kind}): {e}") from None
         out.append((kind, spec, below))
@@ -100,7 +107,7 @@ def init_energy(
     for i, ((kind, spec), below) in enumerate(zip(entries, belows)):
         last = i == len(entries) - 1
         name = "out" if last else str(i + 1)
-        couplings.append(KINDS[kind].init(name, below, spec, out_scale if last else 1.0, gen, dtype))
+        couplings.append(resolve("coupling", kind).init(name, below, spec, out_scale if last else 1.0, gen, dtype))
     return Energy(tuple(couplings))
 
 

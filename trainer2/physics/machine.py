@@ -1,16 +1,88 @@
-"""The learning machine's parameters: embedding, energy couplings, geometric readout; and its constraints."""
+"""The learning machine: its settings (`MachineConfig`), parameters (embedding, energy couplings, geometric readout),
+initialisation and constraints."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, field_validator, model_validator
 from torch import Tensor
 
-from trainer2.train_config import ConfigError, TrainConfig
+from trainer2.components import BUILTIN, resolve
 from trainer2.physics.energy import Energy, init_energy
 from trainer2.physics.readout import Candidates, ReadoutParams, RotorLayout, rotor_layout
+from trainer2.section import ConfigError, Section, short_repr
+
+MAX_WIDTH, MAX_DEPTH = 2**20, 1024  # hidden layers: sane bounds; what fits in memory is trainer2.running.sizes' to say
+
+
+class MachineConfig(Section):
+    """The machine's shape, initialisation, readout and constraints."""
+
+    dtype: Literal["float32", "float64"] = Field("float32", description="Floating-point type of every tensor.")
+    layers: list[dict[str, Any]] = Field(
+        [{"dense": 256}],
+        min_length=1,
+        description="The hidden layers h_1..h_M, lowest first, each {kind: spec} with the kind of coupling that "
+        "drives it from below: [{dense: 256}] is one dense layer of 256 units (on the command line: --layers "
+        "dense:256); a kind is a built-in (dense, conv) or a dotted path module.Class to your own coupling. "
+        "--hidden_sizes 256 128 is shorthand for dense layers of those sizes.",
+    )
+    embed_dim: int = Field(16, ge=1, le=2**16, description="Embedding size per context character (text data).")
+    coord_dim_n: int = Field(16, ge=2, le=2048, description="Dimension n of the output coordinates q.")
+    rotor_k: int = Field(32, ge=0, le=2**24, description="Number of Givens rotations in the readout's rotor frame.")
+    retrieval_beta: float = Field(
+        1.0, gt=0.0, description="Inverse temperature of retrieval: p = softmax(-beta * cost)."
+    )
+    eps: float = Field(1e-6, gt=0.0, description="Added under the square root of the quadratic form spd.")
+    g_min: float = Field(0.05, gt=0.0, description="Lower clamp of the metric diagonal g_diag.")
+    g_max: float = Field(20.0, gt=0.0, description="Upper clamp of the metric diagonal g_diag.")
+    r_init: float = Field(16.0, gt=0.0, description="Initial resistance R_sc.")
+    r_min: float = Field(0.05, gt=0.0, description="Lower clamp of the resistance R_sc.")
+    out_init_scale: float = Field(0.5, gt=0.0, description="W_out starts at this multiple of the 1/sqrt(fan_in) scale.")
+    proto_init_scale: float = Field(0.1, gt=0.0, description="Standard deviation of the initial prototypes.")
+    spectral_cap: float = Field(
+        0.7,
+        gt=0.0,
+        lt=1.0,
+        description="Cap kappa on the couplings' part of E's Hessian, so its smallest "
+        "curvature is >= 1 - kappa at any depth: "
+        "each coupling between state layers is capped at kappa / (2 cos(pi/(M+2))) "
+        "for M hidden layers (kappa itself for one).",
+    )
+    memory_capacity: int = Field(
+        0, ge=0, le=2**31, description="Slots of the memory bank of recent equilibria; 0 = off."
+    )
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if len(v) > MAX_DEPTH:
+            raise ValueError(f"at most {MAX_DEPTH} hidden layers, got {len(v)}")
+        for i, entry in enumerate(v):
+            kind = next(iter(entry), None)
+            if len(entry) != 1 or not isinstance(kind, str) or ("." not in kind and kind not in BUILTIN["coupling"]):
+                raise ValueError(
+                    f"layer {i}: expected one {{kind: spec}} entry with a kind in {sorted(BUILTIN['coupling'])} or a "
+                    f"dotted path module.Class to your own coupling, got {short_repr(entry)}"
+                )
+            spec = entry[kind]
+            try:
+                size = math.prod(resolve("coupling", kind).spec_size(spec))
+            except ValueError as e:  # a ComponentError too: the kind names nothing usable
+                raise ValueError(f"layer {i} ({kind}): {e}") from None
+            if size > MAX_WIDTH:
+                raise ValueError(f"layer {i} ({kind}): at most {MAX_WIDTH} units a layer, got {size}")
+        return v
+
+    @model_validator(mode="after")
+    def _clamps(self) -> "MachineConfig":
+        if self.g_min >= self.g_max:
+            raise ValueError(f"g_min ({self.g_min}) must be below g_max ({self.g_max})")
+        return self
 
 
 @dataclass
@@ -24,6 +96,7 @@ class Machine:
     layout: RotorLayout
     num_classes: int
     flat: Tensor  # (P,) every learned tensor, in named_params order
+    spec: MachineConfig  # the settings it was built from: its readout's beta and eps, its constraints
 
     def named_params(self) -> dict[str, Tensor]:
         """Every learned tensor by a stable name. This order is the one order of the parameters (update lists,
@@ -44,6 +117,11 @@ class Machine:
         """[H_1, ..., H_M, n]."""
         return self.energy.state_sizes()
 
+    @property
+    def context_len(self) -> int:
+        """Tokens per example of a text machine (emb is set): its input is that many embeddings side by side."""
+        return math.prod(self.energy.couplings[0].below_shape) // self.emb.shape[1]
+
     def input_vectors(self, inputs: Tensor) -> Tensor:
         """The clamped input x (B, D): concatenated context embeddings, or the features themselves."""
         if self.emb is None:
@@ -58,32 +136,34 @@ class Machine:
 
 
 def build_machine(
-    cfg: TrainConfig,
+    spec: MachineConfig,
     num_classes: int,
     input_dim: int,
-    text: bool,
+    tokens: bool,
     device: torch.device,
     input_shape: tuple[int, ...] | None = None,
+    *,
+    seed: int,
 ) -> Machine:
-    """Initialise a machine from the config, deterministically from cfg.seed. input_dim = context_len (text) or D;
-    input_shape: the clamped input's (C, H, W) for image data (None: flat)."""
-    dtype = getattr(torch, cfg.dtype)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    emb = torch.randn(num_classes, cfg.embed_dim, generator=gen, dtype=dtype) if text else None
-    x_dim = input_dim * cfg.embed_dim if text else input_dim
+    """Initialise a machine, deterministically from `seed`. input_dim = context_len (tokens: an embedding is learned)
+    or D; input_shape: the clamped input's (C, H, W) for image data (None: flat)."""
+    dtype = getattr(torch, spec.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    emb = torch.randn(num_classes, spec.embed_dim, generator=gen, dtype=dtype) if tokens else None
+    x_dim = input_dim * spec.embed_dim if tokens else input_dim
     try:
-        energy = init_energy(input_shape or (x_dim,), cfg.layers, cfg.coord_dim_n, cfg.out_init_scale, gen, dtype)
+        energy = init_energy(input_shape or (x_dim,), spec.layers, spec.coord_dim_n, spec.out_init_scale, gen, dtype)
     except ValueError as e:  # a layer that cannot sit on the one below it (a conv above flat data)
         raise ConfigError(f"layers: {e}") from None
-    n = cfg.coord_dim_n
+    n = spec.coord_dim_n
     readout = ReadoutParams(
         g_diag=torch.ones(n, dtype=dtype),
-        theta=torch.zeros(cfg.rotor_k, dtype=dtype),
-        protos=torch.randn(num_classes, n, generator=gen, dtype=dtype) * cfg.proto_init_scale,
-        r_sc=torch.tensor(cfg.r_init, dtype=dtype),
+        theta=torch.zeros(spec.rotor_k, dtype=dtype),
+        protos=torch.randn(num_classes, n, generator=gen, dtype=dtype) * spec.proto_init_scale,
+        r_sc=torch.tensor(spec.r_init, dtype=dtype),
     )
-    m = assemble(emb, energy, readout, rotor_layout(n, cfg.rotor_k, dtype=dtype), num_classes, device)
-    cap_couplings(m, cfg)  # a deep machine's uniform init is above its per-coupling cap; start convex
+    m = assemble(emb, energy, readout, rotor_layout(n, spec.rotor_k, dtype=dtype), num_classes, device, spec)
+    cap_couplings(m)  # a deep machine's uniform init is above its per-coupling cap; start convex
     return m
 
 
@@ -94,9 +174,10 @@ def assemble(
     layout: RotorLayout,
     num_classes: int,
     device: torch.device,
+    spec: MachineConfig,
 ) -> Machine:
     """A machine on `device` holding copies of the given tensors as views of one flat buffer (named_params order)."""
-    loose = Machine(emb, energy, readout, layout, num_classes, torch.empty(0))
+    loose = Machine(emb, energy, readout, layout, num_classes, torch.empty(0), spec)
     named = loose.named_params()
     flat = torch.cat([t.detach().reshape(-1) for t in named.values()]).to(device)
     views = split_flat(flat, {name: t.shape for name, t in named.items()})
@@ -108,6 +189,7 @@ def assemble(
         layout.to(device),
         num_classes,
         flat,
+        spec,
     )
 
 
@@ -123,37 +205,37 @@ def split_flat(buf: Tensor, shapes: dict[str, torch.Size]) -> dict[str, Tensor]:
 
 def move_machine(m: Machine, device: torch.device) -> Machine:
     """A copy of m on `device` (its tensors re-gathered into a new flat buffer)."""
-    return assemble(m.emb, m.energy, m.readout, m.layout, m.num_classes, device)
+    return assemble(m.emb, m.energy, m.readout, m.layout, m.num_classes, device, m.spec)
 
 
-def coupling_cap(cfg: TrainConfig) -> float:
+def coupling_cap(spec: MachineConfig) -> float:
     """The largest spectral norm each coupling between state layers may have: spectral_cap / (2 cos(pi/(M+2))).
 
     The couplings form a path over the M+1 state layers, whose adjacency has norm 2 cos(pi/(M+2)), so this
     keeps the coupling block of E's Hessian at most spectral_cap at any depth (docs/design.md section 1).
     For one hidden layer the path norm is exactly 1 (written so, the cosine rounds to 1 + 2^-52)."""
-    depth = len(cfg.layers)
-    return cfg.spectral_cap / (1.0 if depth == 1 else 2 * math.cos(math.pi / (depth + 2)))
+    depth = len(spec.layers)
+    return spec.spectral_cap / (1.0 if depth == 1 else 2 * math.cos(math.pi / (depth + 2)))
 
 
-def cap_couplings(m: Machine, cfg: TrainConfig) -> None:
+def cap_couplings(m: Machine) -> None:
     """Scale every coupling whose exact operator norm exceeds coupling_cap down to it (at build, once; SVD)."""
-    cap = coupling_cap(cfg)
+    cap = coupling_cap(m.spec)
     for c in m.energy.between_states:
         c.cap_exact(cap)
 
 
-def project_constraints(m: Machine, cfg: TrainConfig, power_vecs: list[Tensor]) -> None:
+def project_constraints(m: Machine, power_vecs: list[Tensor]) -> None:
     """After every update: clamp g_diag and R_sc, wrap angles to [-pi, pi), cap each coupling's operator norm
-    at coupling_cap(cfg), which keeps E's smallest curvature >= 1 - spectral_cap at any depth.
+    at coupling_cap, which keeps E's smallest curvature >= 1 - spectral_cap at any depth.
 
     Each cap uses two power-iteration steps with a persistent vector per coupling (power_vecs[i] has the
     coupling's power_size), all on the device with no host sync.
     """
-    r = m.readout
-    r.g_diag.clamp_(cfg.g_min, cfg.g_max)
-    r.r_sc.clamp_(min=cfg.r_min)
+    r, spec = m.readout, m.spec
+    r.g_diag.clamp_(spec.g_min, spec.g_max)
+    r.r_sc.clamp_(min=spec.r_min)
     r.theta.add_(math.pi).remainder_(2 * math.pi).sub_(math.pi)
-    cap = coupling_cap(cfg)
+    cap = coupling_cap(spec)
     for c, u in zip(m.energy.between_states, power_vecs):  # no vectors, no caps (the feed-forward baseline's choice)
         c.cap_power(cap, u)

@@ -1,4 +1,5 @@
-"""The relaxation of one batch: workspaces, free and nudged phases, window statistics and held-out scoring.
+"""The relaxation of one batch: its settings (`DynamicsConfig`), workspaces, free and nudged phases, window statistics
+and held-out scoring.
 
 This is everything evaluation and sampling need; it holds no update state. `Relaxation` owns the
 preallocated workspaces for one batch size, so its windows allocate nothing.
@@ -9,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import Tensor
 
-from trainer2.train_config import TrainConfig
 from trainer2.physics.dynamics import (
     FoldBlocks,
     FoldedFrame,
@@ -37,6 +39,42 @@ from trainer2.physics.readout import (
     readout_loss_and_grads,
     readout_scores,
 )
+from trainer2.section import Section
+
+
+class DynamicsConfig(Section):
+    """How a batch relaxes: the phases' step counts, the nudge, the integrator and the code that runs the steps."""
+
+    free_steps: int = Field(
+        64, ge=1, le=10**6, description="Free-phase relaxation steps per window (formerly tbptt_window_steps)."
+    )
+    nudge_steps: int = Field(16, ge=1, le=10**6, description="Steps of each nudged phase.")
+    beta_nudge: float = Field(0.003, gt=0.0, description="Nudging strength beta.")
+    symmetric_nudge: bool = Field(
+        True, description="Nudge with +beta and -beta (bias O(beta^2)) instead of +beta only."
+    )
+    dt: float = Field(1.0, gt=0.0, description="Integrator step size.")
+    gamma: float = Field(1.0, ge=0.0, description="Damping; 0 = energy-conserving Stormer-Verlet (diagnostics only).")
+    mass: float = Field(1.0, gt=0.0, description="Mass of every state coordinate.")
+    window_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="Relaxation phases: 'torch' operators, or 'triton' (one kernel launch per phase; needs the kernels "
+        "extra and a CUDA device); 'auto' takes triton on CUDA where it can run, torch otherwise.",
+    )
+
+    @model_validator(mode="after")
+    def _stable(self) -> "DynamicsConfig":
+        # Damped leapfrog on a unit-stiffness mode: p <- (1 - gamma dt) p - dt s, s <- s + dt p / mass has
+        # |eigenvalues| < 1 iff dt^2/mass + 2 gamma dt < 4. The energy's Hessian has unit diagonal, so its
+        # stiffest mode is >= 1: outside this bound the free phase diverges for any couplings.
+        stiffness = self.dt**2 / self.mass + 2 * self.gamma * self.dt
+        if not stiffness < 4:
+            raise ValueError(
+                f"dt^2/mass + 2*gamma*dt = {stiffness:g} must be below 4 (dt {self.dt:g}, gamma {self.gamma:g}, "
+                f"mass {self.mass:g}): beyond it the leapfrog step is unstable on the energy's unit stiffness and the "
+                "free phase can never settle; lower dt or gamma, or raise mass (dt = gamma = mass = 1 is the default)"
+            )
+        return self
 
 
 @dataclass
@@ -66,14 +104,14 @@ class Relaxation:
     """Workspaces and the saved free equilibrium s0 for one batch size. The free phase relaxes B rows; the
     nudged phases relax one workspace of 2B rows (+beta, then -beta), or B rows with one-sided nudging."""
 
-    def __init__(self, machine: Machine, cfg: TrainConfig, batch: int, memory: MemoryBank | None = None) -> None:
+    def __init__(self, machine: Machine, cfg: DynamicsConfig, batch: int, memory: MemoryBank | None = None) -> None:
         self.m, self.cfg, self.batch, self.memory = machine, cfg, batch, memory
         like = machine.readout.protos
         sizes = machine.state_sizes()
         num_cand = machine.num_classes + (0 if memory is None else memory.coords.shape[0])
         self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass)
         # The relaxation's backend (torch operators, or one Triton launch per phase), chosen once per run, not per step
-        kinds = [c.kind for c in machine.energy.couplings]
+        kinds = machine.energy.kinds()
         self.backend = choose_backend(cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds)
         self.steps_fn = make_phase_function(self.backend, self.integ)
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
@@ -84,7 +122,7 @@ class Relaxation:
             self.nudge.phases * batch, sizes, num_cand, cfg.nudge_steps, self.nudge.betas, like, fixed
         )
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
-        self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, cfg.eps, like)
+        self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, machine.spec.eps, like)
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
         # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
         self.s_plus = self.nudge.plus(self.ws_nudged.state.s, batch)
@@ -107,7 +145,7 @@ class Relaxation:
         m, ws, cfg = self.m, self.ws, self.cfg
         x = m.input_vectors(inputs)
         cand = self.candidates()
-        frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
+        frame = readout_frame(m.readout, cand, m.layout, m.spec.retrieval_beta, m.spec.eps)
         fold = fold_frame(m.energy, frame, self.fold_blocks)
         torch.eq(targets[:, None], cand.labels[None, :], out=ws.label_hit)
         ws.target_mask.copy_(ws.label_hit)

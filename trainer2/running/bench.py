@@ -24,15 +24,18 @@ import torch._inductor.config
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
-from trainer2.train_config import ConfigError, TrainConfig
+from trainer2.data.dataset import Dataset
+from trainer2.data.load import DataConfig, load_data
+from trainer2.data.sampler import Sampler
 from trainer2.flags import add_config_flags, resolve_config
-from trainer2.data.dataset import Dataset, Sampler
-from trainer2.monitor.profiling import PhaseTimer, drop_kineto_markers
-from trainer2.data.token_cache import load_text_or_features
 from trainer2.learning.step import BatchStep, build_step
+from trainer2.learning.update import UpdateConfig
+from trainer2.monitor.profiling import PhaseTimer, drop_kineto_markers
 from trainer2.physics.nudge import NudgeScheme
+from trainer2.physics.relaxation import DynamicsConfig
 from trainer2.running.parts import build_parts, resolve_device
 from trainer2.running.step_runner import StepRunner
+from trainer2.train_config import ConfigError, TrainConfig
 
 MODES = (
     "eager",
@@ -137,7 +140,7 @@ def host_batches(data: Dataset, batch: int, n: int, seed: int) -> list[tuple[tor
 def make_step(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device) -> BatchStep:
     """A fresh machine (same seed every time) and its EP batch step for `batch` examples."""
     parts = build_parts(cfg, device, data, batch)
-    return build_step(parts.machine, cfg, batch, parts.memory)
+    return build_step(parts.machine, cfg.section(DynamicsConfig), cfg.section(UpdateConfig), batch, parts.memory)
 
 
 def prepare(
@@ -363,7 +366,7 @@ def run(argv: list[str]) -> tuple[list[Row], str]:
     if any(b < 1 for b in sizes):
         raise ConfigError(f"--batch_sizes must be >= 1, got {sizes}")
     device = resolve_device(cfg)
-    data = load_text_or_features(cfg.data, cfg.context_len, cfg.heldout_fraction, cfg.token_cache)
+    data = load_data(cfg.section(DataConfig))
     torch._dynamo.reset()
     rows = []
     for b in sizes:

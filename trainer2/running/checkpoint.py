@@ -18,17 +18,16 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from trainer2.train_config import TrainConfig, short_repr, upgrade_legacy
+from trainer2.data.dataset import Dataset, InputSpec
 from trainer2.io import strictjson
-
-if TYPE_CHECKING:
-    from trainer2.data.dataset import Dataset
+from trainer2.section import short_repr
+from trainer2.train_config import TrainConfig, upgrade_legacy
 
 FORMAT_VERSION = 2  # 2: the sampler state is O(1) (no stored permutation); text tokens hashed in their smallest type
 TENSORS_FILE = "tensors.safetensors"
@@ -74,13 +73,14 @@ RESUME_FREE_FIELDS = frozenset(
         # the data file's path: its contents must match, checked by their fingerprint (check_data), so a moved file
         # resumes
         "data",
+        "data_format",  # how the data file is read; the fingerprint says whether it is the same data
     }
 )
 
 
 # Fields added after checkpoints were first written, with the value that reproduces what those checkpoints' runs
 # did: a checkpoint without the field is compared as if it held this value.
-ADDED_FIELDS: dict[str, Any] = {"augment_shift": 0}
+ADDED_FIELDS: dict[str, Any] = {"augment_shift": 0, "data_format": "auto"}
 
 
 class CheckpointError(ValueError):
@@ -342,7 +342,8 @@ def check_config(saved: dict[str, Any], cfg: TrainConfig, source: Path) -> None:
 
 
 def data_fingerprint(data: Dataset) -> dict[str, Any]:
-    """What identifies the data: source, vocabulary, split sizes and a sha256 of every split's contents."""
+    """What identifies the data: source, vocabulary, split sizes and a sha256 of every split's contents; with what a
+    machine needs of its inputs (InputSpec), so a checkpoint loads without its data."""
     digest = data.digest  # a token cache's: the same hash, taken when the cache was made
     if digest is None:
         h = hashlib.sha256()
@@ -357,6 +358,7 @@ def data_fingerprint(data: Dataset) -> dict[str, Any]:
         "num_train": data.num_examples("train"),
         "num_heldout": data.num_examples("heldout"),
         "sha256": digest,
+        **InputSpec.of(data).to_json(),
     }
 
 
@@ -410,18 +412,20 @@ def check_tensors(
 def load_checked(
     path: Path,
     cfg: TrainConfig,
-    data: Dataset,
+    fingerprint: dict[str, Any] | None,
     live: dict[str, Tensor],
     only: tuple[str, ...] | None = None,
     optional: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """(tensors, meta) of checkpoint directory `path`, checked against this run before anything is copied: its
-    config (the fields that define the model), the data fingerprint, every tensor's name, shape and dtype against
-    `live` (only the keys with the given prefixes, when `only` is set), and its counters. The one place a
-    checkpoint is validated; training and evaluation both load through it."""
+    config (the fields that define the model), the data's fingerprint (None: no data at hand, as for a model loaded
+    to predict), every tensor's name, shape and dtype against `live` (only the keys with the given prefixes, when
+    `only` is set), and its counters. The one place a checkpoint is validated; training, evaluation and loading a
+    model all go through it."""
     meta = read_meta(path)
     check_config(meta["config"], cfg, path)
-    check_data(meta["data"], data_fingerprint(data), path)
+    if fingerprint is not None:
+        check_data(meta["data"], fingerprint, path)
     loaded = load_tensors(path, meta)
     if only is not None:
         loaded = {k: v for k, v in loaded.items() if k.startswith(only)}

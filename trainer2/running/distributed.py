@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainer2.train_config import ConfigError, TrainConfig
 from trainer2.running.parts import resolve_device
+from trainer2.train_config import ConfigError, TrainConfig
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 

@@ -1,5 +1,5 @@
-"""Is the run still learning? Read from each log row (no extra device work): a divergence stops the run, a free
-phase that does not settle is warned about once."""
+"""Is the run still learning? Read from each log row (no extra device work) by the `Health` callback: a divergence
+stops the run, a free phase that does not settle is warned about once."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from trainer2.callbacks import LoopState, Stop
 from trainer2.running import checkpoint as ck
 
 # A settled free phase ends at spd_last = sqrt(eps): the dev preset sits at 1.00-1.02x; 3 or 6 free steps instead of
@@ -28,7 +29,8 @@ class Diverged(RuntimeError):
 
 @dataclass
 class Health:
-    """Checks each log row of windows since+1..window; holds the state of a run of dropped updates and the warning."""
+    """A callback that checks each log row of windows since+1..window: a divergence sets state.stop; it holds the
+    state of a run of dropped updates and the warning."""
 
     eps: float
     log: Callable[[str], None]
@@ -36,6 +38,29 @@ class Health:
     dropped_from: int | None = None  # first window of the current run of dropped updates
     above_from: int | None = None  # first window of the current run of log rows with the loss above the bound
     warned: bool = False
+    since: int = 0  # the window the current log interval began after
+
+    def on_start(self, state: LoopState) -> None:
+        self.since = state.window
+
+    def on_window_start(self, state: LoopState) -> None:
+        pass
+
+    def on_metrics(self, state: LoopState, row: dict[str, Any]) -> None:
+        found = self.diverged(row, self.since)
+        if found is not None and state.stop is None:
+            state.stop = Stop(diverged=found)
+        self.since = row["window"]
+
+    def on_log(self, state: LoopState, row: dict[str, Any]) -> None:
+        if state.stop is None or state.stop.diverged is None:
+            self.warn_unsettled(row)
+
+    def on_window_end(self, state: LoopState) -> None:
+        pass
+
+    def on_end(self, state: LoopState) -> None:
+        pass
 
     def diverged(self, row: dict[str, Any], since: int) -> tuple[str, int] | None:
         """None, or (what happened, the last window whose checkpoint is still good): a parameter became

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer2.train_config import ConfigError, TrainConfig
-from trainer2.data.dataset import Dataset
-from trainer2.running.sizes import check_sizes
-from trainer2.data.token_cache import load_text_or_features
+from trainer2.data.dataset import Dataset, InputSpec
+from trainer2.data.load import DataConfig, load_data
 from trainer2.learning.subnormals import flush_denormal
-from trainer2.physics.machine import Machine, build_machine
+from trainer2.physics.machine import Machine, MachineConfig, build_machine
 from trainer2.physics.memory import MemoryBank
+from trainer2.running.sizes import check_sizes
+from trainer2.train_config import ConfigError, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -59,19 +59,40 @@ def build_parts(
     (cfg.batch_size unless given); the same config and seed always give the same parts."""
     flush_denormal()  # this thread's CPU arithmetic skips the slow subnormals (trainer2.learning.subnormals)
     if data is None:
-        data = load_text_or_features(cfg.data, cfg.context_len, cfg.heldout_fraction, cfg.token_cache)
-    text = data.kind == "text"
+        data = load_data(cfg.section(DataConfig))
     if cfg.augment_shift and data.input_shape is None:
         raise ConfigError(
             f"augment_shift: {cfg.augment_shift} moves images, but the data ({data.source}) is {data.kind}, not "
             "images; use --augment_shift 0"
         )
-    check_sizes(cfg, data.num_classes, data.input_dim, text, data.num_examples("train"), world, device)
-    machine = build_machine(cfg, data.num_classes, data.input_dim, text, device, data.input_shape)
+    machine, memory = build_machine_for(cfg, InputSpec.of(data), device, data.num_examples("train"), batch, world)
+    return RunParts(data, device, machine, memory)
+
+
+def build_machine_for(
+    cfg: TrainConfig,
+    spec: InputSpec,
+    device: torch.device,
+    train_examples: int,
+    batch: int | None = None,
+    world: int = 1,
+) -> tuple[Machine, MemoryBank | None]:
+    """A fresh machine for inputs like `spec` on `device`, and its memory bank for `batch` rows per write (cfg's
+    batch_size unless given), after checking that they fit the data's `train_examples` and the device's memory."""
+    check_sizes(cfg, spec.num_classes, spec.input_dim, spec.tokens, train_examples, world, device)
+    machine = build_machine(
+        cfg.section(MachineConfig),
+        spec.num_classes,
+        spec.input_dim,
+        spec.tokens,
+        device,
+        spec.input_shape,
+        seed=cfg.seed,
+    )
     rows = cfg.batch_size if batch is None else batch
     memory = (
         MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, rows, machine.readout.protos)
         if cfg.memory_capacity
         else None
     )
-    return RunParts(data, device, machine, memory)
+    return machine, memory

@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trainer2.train_config import ConfigError, TrainConfig, build_config
 from trainer2.running.checkpoint import (
     META_FILE,
     CheckpointError,
@@ -24,6 +23,7 @@ from trainer2.running.checkpoint import (
     step_of,
 )
 from trainer2.running.rundir import RUN_FILES, RunDirError, fresh_name, newest_run, owner, run_files
+from trainer2.train_config import ConfigError, TrainConfig, build_config
 
 Layers = list[tuple[str, dict[str, Any]]]
 LOCATION = ("checkpoint_dir", "run_name")
@@ -110,6 +110,14 @@ def resume_config(spec: str, layers: Layers, run_dir: Path) -> tuple[TrainConfig
     except ConfigError as e:
         raise CheckpointError(f"{path / META_FILE}: its config cannot be used: {e}") from None
     check_config(meta["config"], cfg, path)
+    return cfg, path
+
+
+def check_resume(path: Path, run_dir: Path) -> None:
+    """Refuse to resume checkpoint `path` into `run_dir` (call it holding the run's lock): a branch (a checkpoint of
+    another run) only into a directory without run files; the same run only when its files are this run's and the
+    checkpoint is its newest."""
+    meta = read_meta(path)
     source = path.resolve().parent
     if source != run_dir.resolve():  # a branch: a new run that starts from another run's checkpoint
         found = run_files(run_dir)
@@ -119,7 +127,7 @@ def resume_config(spec: str, layers: Layers, run_dir: Path) -> tuple[TrainConfig
                 f"{run_dir} already holds that run's own files ({', '.join(found[-4:])}). To branch off, pass a "
                 f"new --run_name; to continue {run_dir.name!r}, pass --resume latest --run_name {run_dir.name}"
             )
-        return cfg, path
+        return
     check_owner(run_dir, meta, path)
     newer = [p for p in list_checkpoints(run_dir) if step_of(p) > meta["step"] and p.resolve() != path.resolve()]
     if newer:
@@ -127,4 +135,3 @@ def resume_config(spec: str, layers: Layers, run_dir: Path) -> tuple[TrainConfig
             f"checkpoint {path} is older than {newer[-1]} of the same run; continuing here would mix "
             "two histories: pass --run_name NEW to branch off, or --resume latest"
         )
-    return cfg, path

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 import torch
 from torch import Tensor
 
-from trainer2.train_config import ConfigError
 from trainer2.data.dataset import encode
 from trainer2.physics.relaxation import Relaxation
-from trainer2.running.evaluation import load_trained
+from trainer2.running.model import load
+from trainer2.section import ConfigError
 
 MAX_LENGTH = 1_000_000  # characters per call: one free phase each, so about a day of CPU at the limit
 
@@ -45,7 +46,7 @@ def generate(relax: Relaxation, vocab: list[str], prompt: str, length: int, temp
         raise ValueError(
             f"length must be in 0..{MAX_LENGTH} and temperature finite and >= 0, got {length} and {temperature}"
         )
-    ctx_len, device = relax.cfg.context_len, relax.device
+    ctx_len, device = relax.m.context_len, relax.device
     ids = encode(prompt, vocab, "--prompt")
     ids = torch.cat([encode(pad_char(vocab) * ctx_len, vocab, "pad"), ids])[-ctx_len:].to(device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -102,11 +103,12 @@ def cmd_sample(argv: list[str]) -> int:
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not -(2**63) <= args.seed < 2**64:
         p.error(f"--seed must be in -2**63..2**64-1 (what torch.Generator takes), got {args.seed}")
-    trained = load_trained(args.checkpoint, {"device": args.device})
-    vocab = trained.data.vocab
+    model = load(args.checkpoint, device=args.device)
+    print(f"loaded {args.checkpoint} (window {model.window})", file=sys.stderr)
+    vocab = list(model.inputs.vocab)
     if not vocab:
         raise ConfigError(
             f"--checkpoint {args.checkpoint}: trained on feature data, not text; sample needs a text model"
         )
-    print(args.prompt + generate(trained.relaxation(1), vocab, args.prompt, args.length, args.temperature, args.seed))
+    print(args.prompt + generate(model.relaxation(1), vocab, args.prompt, args.length, args.temperature, args.seed))
     return 0

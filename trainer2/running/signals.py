@@ -1,13 +1,19 @@
 """A graceful stop on SIGINT, SIGTERM, SIGHUP or SIGQUIT (Ctrl-C, a scheduler's preemption, a closed terminal,
 Ctrl-backslash): the first signal asks the training loop to stop after the current window, which then saves a
-checkpoint and the summary; a second one ends the process at once."""
+checkpoint and the summary; a second one ends the process at once. `SignalStop` is the loop's callback; under torchrun
+the ranks agree on the window to stop at."""
 
 from __future__ import annotations
 
 import signal
 import threading
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from trainer2.callbacks import LoopState, Stop
 
 # SIGHUP: the terminal closed; SIGQUIT: Ctrl-backslash, whose default (a core dump) would lose the work since the last
 # checkpoint.
@@ -52,3 +58,53 @@ class StopSignals:
 def exit_code(sig: signal.Signals) -> int:
     """The shell's status for a process ended by `sig`: 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
     return 128 + int(sig)
+
+
+class Ranks(Protocol):
+    """The processes of a run, as the stop agreement sees them (trainer2.running.distributed.Distributed)."""
+
+    launched: bool
+
+    def all_reduce_sum(self, t: Tensor, what: str) -> None: ...
+
+
+class SignalStop:
+    """A callback that stops the loop after the window in which a stop signal arrived (`signals` is entered around
+    the whole run by its owner). Under torchrun the ranks must stop at the same window: they agree at log intervals
+    (one all-reduce), and a rank that got no signal takes another's."""
+
+    def __init__(self, signals: StopSignals, ranks: Ranks, device: torch.device) -> None:
+        self.signals, self.ranks, self.device = signals, ranks, device
+
+    def on_start(self, state: LoopState) -> None:
+        pass
+
+    def on_window_start(self, state: LoopState) -> None:
+        pass
+
+    def on_metrics(self, state: LoopState, row: dict[str, Any]) -> None:
+        pass
+
+    def on_log(self, state: LoopState, row: dict[str, Any]) -> None:
+        pass
+
+    def on_window_end(self, state: LoopState) -> None:
+        if state.stop is None and self.asked(state.logged):
+            state.stop = Stop(signal=self.signals.received.name)
+
+    def on_end(self, state: LoopState) -> None:
+        pass
+
+    def asked(self, logged: bool) -> bool:
+        """Whether a stop signal ends the run after this window (the agreement runs at log intervals only)."""
+        signals = self.signals
+        if not self.ranks.launched:
+            return signals.received is not None
+        if not logged:
+            return False
+        got = torch.tensor([float(signals.received == sig) for sig in STOP_SIGNALS], device=self.device)
+        self.ranks.all_reduce_sum(got, "the stop-signal exchange")
+        agreed = bool(got.any())  # not this rank's flag: a signal may land here during the exchange (next interval's)
+        if agreed and signals.received is None:
+            signals.received = STOP_SIGNALS[int(got.argmax())]
+        return agreed

@@ -5,14 +5,13 @@ instead of after minutes of swapping or with an allocator's traceback."""
 from __future__ import annotations
 
 import math
-import os
-import resource
 from dataclasses import dataclass
 
 import torch
 
+from trainer2.components import resolve
+from trainer2.io.memory import available_bytes
 from trainer2.train_config import ConfigError, TrainConfig
-from trainer2.physics.couplings import KINDS
 
 GIB = 2**30
 EVAL_ROWS = 512  # rows of a held-out batch (trainer2.running.evaluation)
@@ -34,7 +33,9 @@ def needs(cfg: TrainConfig, num_classes: int, input_dim: int, text: bool) -> lis
     s = torch.finfo(getattr(torch, cfg.dtype)).bits // 8
     n, k, v, b = cfg.coord_dim_n, cfg.rotor_k, num_classes, cfg.batch_size
     x_dim = input_dim * cfg.embed_dim if text else input_dim
-    hidden = [math.prod(KINDS[kind].spec_size(spec)) for ((kind, spec),) in (e.items() for e in cfg.layers)]
+    hidden = [
+        math.prod(resolve("coupling", kind).spec_size(spec)) for ((kind, spec),) in (e.items() for e in cfg.layers)
+    ]
     dims = [x_dim, *hidden, n]
     params = (v * cfg.embed_dim if text else 0) + sum(a * c + c for a, c in zip(dims, dims[1:])) + n + k + v * n + 1
     widest = max(range(len(dims) - 1), key=lambda i: dims[i] * dims[i + 1])
@@ -73,28 +74,6 @@ def needs(cfg: TrainConfig, num_classes: int, input_dim: int, text: bool) -> lis
         Need("the rotor frame", "rotor_k", 4 * layers * n * n * s + k * 3 * PY_OBJECT),
         Need("the rotor schedule", "coord_dim_n", n * n / 2 * PY_OBJECT),
     ]
-
-
-def available_bytes(device: torch.device) -> float | None:
-    """Memory free for this process: the GPU's free memory, or on the CPU the smaller of MemAvailable and the
-    address-space limit (ulimit -v) left; None when it cannot be told."""
-    if device.type == "cuda":
-        return float(torch.cuda.mem_get_info(device)[0])
-    free = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            free = next(float(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        pass
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit != resource.RLIM_INFINITY:
-        try:
-            with open("/proc/self/statm", encoding="ascii") as f:
-                used = float(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            used = 0.0
-        free = min(free if free is not None else math.inf, limit - used)
-    return free
 
 
 def check_sizes(

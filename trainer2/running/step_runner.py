@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.train_config import TrainConfig
 from trainer2.learning.step import BatchStep
+from trainer2.train_config import TrainConfig
 
 Log = Callable[[str], None]
 

@@ -1,4 +1,5 @@
-"""The kinds of coupling an energy is built from, by the name the config's `layers` entries use."""
+"""The couplings an energy is built from: the `Coupling` protocol and the built-in kinds (found by name through
+trainer2.components)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,4 @@ from trainer2.physics.couplings.conv import Conv
 from trainer2.physics.couplings.coupling import Coupling
 from trainer2.physics.couplings.dense import Dense
 
-KINDS: dict[str, type] = {Dense.kind: Dense, Conv.kind: Conv}
-
-__all__ = ["KINDS", "Conv", "Coupling", "Dense"]
+__all__ = ["Conv", "Coupling", "Dense"]

@@ -66,16 +66,16 @@ class Conv:
             raise ValueError(f"pool {pool} is larger than the {h}x{w} image below it")
         return (channels, h // pool, w // pool)
 
-    @staticmethod
+    @classmethod
     def init(
-        name: str, below: tuple[int, ...], spec: object, scale: float, gen: torch.Generator, dtype: torch.dtype
+        cls, name: str, below: tuple[int, ...], spec: object, scale: float, gen: torch.Generator, dtype: torch.dtype
     ) -> "Conv":
         """Uniform(+-scale/sqrt(C_in k^2)) kernels, zero bias."""
         channels, kernel, pool, pooling = parse_spec(spec)
-        above = Conv.spec_size(spec, below)
+        above = cls.spec_size(spec, below)
         bound = scale / math.sqrt(below[0] * kernel * kernel)
         weight = (torch.rand(channels, below[0], kernel, kernel, generator=gen, dtype=dtype) * 2 - 1) * bound
-        return Conv(name, weight, torch.zeros(channels, dtype=dtype), pool, pooling, tuple(below), above)
+        return cls(name, weight, torch.zeros(channels, dtype=dtype), pool, pooling, tuple(below), above)
 
     @property
     def bias(self) -> Tensor:

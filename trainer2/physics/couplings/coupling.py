@@ -5,12 +5,16 @@ to the energy. It owns its parameters (by name), its share of each neighbour's d
 its EP gradient and its stability constraint. Layers are (R, size) row blocks whose `shape` a coupling may
 view differently (a (C, H, W) image layer is (R, C*H*W) in the workspace). Every method that writes takes an
 `out`, so a window allocates nothing.
+
+A coupling of your own is a class with these members (subclassing trainer2.Dense or trainer2.Conv is the short way),
+named in the config by its dotted path: `layers: [{my_couplings.WideDense: 64}]`, `--layers my_couplings.WideDense:64`.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar, Protocol
 
+import torch
 from torch import Tensor
 
 
@@ -21,6 +25,18 @@ class Coupling(Protocol):
     name: str  # its parameters are named <P>_<name> (W_1, b_1, ..., W_out, b_out)
     below_shape: tuple[int, ...]
     above_shape: tuple[int, ...]
+
+    @staticmethod
+    def spec_size(spec: object, below: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """The shape of the layer a `{kind: spec}` entry makes above a layer of shape `below` ((D,) flat, (C, H, W) an
+        image); without `below`, only the spec is checked. A spec that cannot work is a ValueError saying why."""
+
+    @classmethod
+    def init(
+        cls, name: str, below: tuple[int, ...], spec: object, scale: float, gen: torch.Generator, dtype: torch.dtype
+    ) -> "Coupling":
+        """A new coupling from the layer of shape `below` to the one `spec` makes, its random parameters drawn from
+        `gen` (scale multiplies their initial size; the coupling into q gets out_init_scale)."""
 
     def parameters(self) -> dict[str, Tensor]:
         """Its learned tensors by name, in the one parameter order."""

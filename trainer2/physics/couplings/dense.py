@@ -36,15 +36,15 @@ class Dense:
             raise ValueError(f"a dense layer's size must be an integer >= 1, got {spec!r}")
         return (spec,)
 
-    @staticmethod
+    @classmethod
     def init(
-        name: str, below: tuple[int, ...], spec: object, scale: float, gen: torch.Generator, dtype: torch.dtype
+        cls, name: str, below: tuple[int, ...], spec: object, scale: float, gen: torch.Generator, dtype: torch.dtype
     ) -> "Dense":
         """Uniform(+-scale/sqrt(fan_in)) weights, zero bias; a (C, H, W) layer below is seen flat."""
-        fan_in, fan_out = math.prod(below), math.prod(Dense.spec_size(spec))
+        fan_in, fan_out = math.prod(below), math.prod(cls.spec_size(spec))
         bound = 1.0 / math.sqrt(fan_in) * scale
         weight = (torch.rand(fan_out, fan_in, generator=gen, dtype=dtype) * 2 - 1) * bound
-        return Dense(name, weight, torch.zeros(fan_out, dtype=dtype))
+        return cls(name, weight, torch.zeros(fan_out, dtype=dtype))
 
     @property
     def below_shape(self) -> tuple[int, ...]:

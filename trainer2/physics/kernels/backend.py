@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer2.train_config import ConfigError
 from trainer2.physics.dynamics import Integrator, PhaseFn, PhaseRun, phase_function
+from trainer2.section import ConfigError
 
 # A program keeps whole layers in registers (tiles padded to powers of two >= 16). Within FITS (the dev and production
 # presets, 256 x 16) they fit, and auto takes triton; within RUNS (the deep preset, 1024 x 32) --window_backend triton

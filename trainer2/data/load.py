@@ -1,0 +1,98 @@
+"""The data section of a config, and loading a data set by its format: one reader per format, found by name.
+
+A data format is a class with `recognises(path) -> bool` and `load(path, cfg: DataConfig) -> Dataset`. With
+`data_format: auto` the first built-in that recognises the path reads it (the built-in corpus, torchvision:NAME:ROOT,
+.npz, an MNIST or a CIFAR-10 directory, else a text file); a name picks one, also a dotted path to your own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+from pydantic import Field
+
+from trainer2.components import builtin_names, resolve
+from trainer2.data.dataset import DataError, Dataset
+from trainer2.section import Section
+
+
+class DataConfig(Section):
+    """Where the data comes from and how it is split and shown to the machine."""
+
+    data: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "UTF-8 text file, .npz feature or image set, MNIST IDX / CIFAR-10 batches directory, or "
+            "torchvision:NAME:ROOT; none = built-in pydoc corpus."
+        ),
+    )
+    data_format: str = Field(
+        "auto",
+        min_length=1,
+        description="How --data is read: 'auto' (recognised by its path), a built-in format (builtin, torchvision, "
+        "npz, mnist, cifar10, text) or a dotted path module.Class to your own reader.",
+    )
+    context_len: int = Field(8, ge=1, le=2**16, description="Characters of context per example (text data).")
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of the data, by position, held out.")
+    augment_shift: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="Image data only: translate each training image by up to this many pixels in each direction "
+        "(edge-padded), fresh draws every window; 0 = off. Held-out images are never moved.",
+    )
+    token_cache: str = Field(
+        "auto",
+        min_length=1,
+        description="Where a text file's memory-mapped token cache lives: 'auto' (beside the file, else in "
+        "~/.cache/trainer2/tokens when that directory is read-only), a directory, or 'off' (tokenize into memory at "
+        "every start).",
+    )
+
+
+class DataFormat(Protocol):
+    """A reader of one format of data on disk."""
+
+    name: ClassVar[str]  # its short name (the registry's; a user's reader may name itself anything)
+
+    @staticmethod
+    def recognises(path: str | None) -> bool:
+        """Whether `path` (None: no --data given) is in this format, judged cheaply (a name, a few file names)."""
+
+    @staticmethod
+    def load(path: str | None, cfg: DataConfig) -> Dataset:
+        """The data set at `path`; anything wrong with it is a DataError naming the file."""
+
+
+def find_format(path: str | None, name: str) -> DataFormat:
+    """The reader named `name`, or with "auto" the first built-in that recognises `path`."""
+    if name != "auto":
+        return resolve("data format", name)
+    for builtin in builtin_names("data format"):
+        reader = resolve("data format", builtin)
+        if reader.recognises(path):
+            return reader
+    if path is not None and Path(path).is_dir():
+        raise DataError(
+            f"{path}: a directory, but neither MNIST IDX files (train-images-idx3-ubyte[.gz], ...) nor CIFAR-10 "
+            "python batches (data_batch_1, ..., test_batch); expected one of those, a text file or an .npz"
+        )
+    raise DataError(f"{path}: no data format recognises it; name one with --data_format")
+
+
+def load_data(cfg: DataConfig) -> Dataset:
+    """The data set cfg.data names, read by its format (cfg.data_format)."""
+    return find_format(cfg.data, cfg.data_format).load(cfg.data, cfg)
+
+
+def load_dataset(
+    path: str | None, context_len: int = 8, heldout_fraction: float = 0.1, token_cache: str = "off"
+) -> Dataset:
+    """The data set at `path` (None: the built-in corpus), its format recognised from the path; text is tokenized into
+    memory unless token_cache names where to cache it ("auto": beside the file)."""
+    if not 0.0 < heldout_fraction < 1.0:
+        raise DataError(f"{path or 'the built-in corpus'}: heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    given = {"data": path, "context_len": context_len, "heldout_fraction": heldout_fraction, "token_cache": token_cache}
+    return load_data(DataConfig.model_construct(**{**DataConfig().model_dump(), **given}))  # the readers check them

@@ -1,0 +1,138 @@
+"""A trained machine as a model: class probabilities and predictions for new inputs, held-out evaluation, and `load`
+from a checkpoint (which needs no data set where the checkpoint records its inputs' shape).
+
+Inputs are what the data set held before it became rows: feature rows [N, D], raw images [N, H, W] or [N, C, H, W]
+(normalised here as the training images were), or token ids [N, context_len] for text. A numpy array comes back as
+numpy, a torch tensor as a torch tensor on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from trainer2.data.dataset import DataError, Dataset, InputSpec
+from trainer2.data.images import normalised_rows
+from trainer2.data.load import DataConfig, load_data
+from trainer2.physics.machine import Machine
+from trainer2.physics.memory import MemoryBank
+from trainer2.physics.relaxation import DynamicsConfig, Relaxation
+from trainer2.running.checkpoint import CheckpointError, check_data, data_fingerprint, load_checked, read_meta
+from trainer2.running.evaluation import EVAL_BATCH, heldout_metrics, relaxation_cache
+from trainer2.running.parts import build_machine_for, resolve_device
+from trainer2.section import ConfigError
+from trainer2.train_config import TrainConfig, build_config
+
+
+@dataclass
+class Model:
+    """A machine (and memory bank) with what it needs to read new inputs; `data` is the data set it was trained on,
+    when at hand (loaded from the config's data on first use otherwise)."""
+
+    cfg: TrainConfig
+    machine: Machine
+    memory: MemoryBank | None
+    inputs: InputSpec
+    device: torch.device
+    window: int  # windows trained
+    fingerprint: dict[str, Any]  # of the data it was trained on (trainer2.running.checkpoint.data_fingerprint)
+    checkpoint: Path | None = None  # where it was loaded from, or the final checkpoint of the run that trained it
+    data: Dataset | None = None
+    relaxation: Callable[[int], Relaxation] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.relaxation = relaxation_cache(self.machine, self.cfg.section(DynamicsConfig), self.memory)
+
+    @torch.no_grad()
+    def predict_proba(self, x: Any) -> Any:
+        """Class probabilities (N, num_classes) of inputs x, one free-phase relaxation per example (in batches)."""
+        rows = self.rows(x)
+        out = []
+        for start in range(0, len(rows), EVAL_BATCH):
+            chunk = rows[start : start + EVAL_BATCH].to(self.device)
+            relax = self.relaxation(len(chunk))
+            targets = torch.zeros(len(chunk), dtype=torch.long, device=self.device)  # beta = 0: only picks the loss
+            _, probs = relax.readout_scores(relax.free_phase(chunk, targets))
+            out.append(probs.cpu())
+        probs = torch.cat(out) if out else torch.zeros(0, self.inputs.num_classes)
+        return probs if isinstance(x, Tensor) else probs.numpy()
+
+    def predict(self, x: Any) -> Any:
+        """Class ids (N,) of inputs x: the likeliest class of each."""
+        return self.predict_proba(x).argmax(1)
+
+    def evaluate(self, data: Dataset | None = None, max_batches: int | None = None) -> dict[str, float]:
+        """Held-out loss (nats per example), accuracy and, for text, bits per character on the held-out split of
+        `data` (default: the data set the model was trained on, checked to be the same by its fingerprint)."""
+        if data is None:
+            if self.data is None:
+                self.data = load_data(self.cfg.section(DataConfig))
+                check_data(self.fingerprint, data_fingerprint(self.data), self.checkpoint or Path("this model"))
+            data = self.data
+        spec = self.inputs
+        if (data.tokens, data.input_dim) != (spec.tokens, spec.input_dim) or data.num_classes > spec.num_classes:
+            raise DataError(
+                f"{data.source}: {data.kind} of {data.input_dim} values in {data.num_classes} classes; this model "
+                f"reads {spec.kind} of {spec.input_dim} values in {spec.num_classes} classes"
+            )
+        limit = max_batches if max_batches is not None else self.cfg.eval_batches
+        return heldout_metrics(self.relaxation, data, self.device, limit)
+
+    def rows(self, x: Any) -> Tensor:
+        """The machine's input rows of raw inputs x, checked against the inputs it was trained on."""
+        spec = self.inputs
+        a = x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
+        if spec.tokens:
+            if a.ndim != 2 or a.shape[1] != spec.context_len or not np.issubdtype(a.dtype, np.integer):
+                raise DataError(f"x: expected token ids [N, {spec.context_len}], got {a.dtype} {a.shape}")
+            if a.size and (a.min() < 0 or a.max() >= spec.num_classes):
+                raise DataError(f"x: token ids must be in 0..{spec.num_classes - 1}")
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+        if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+            raise DataError(f"x: expected numbers, got dtype {a.dtype}")
+        if spec.input_shape is not None:  # images: (C, H, W), normalised by the training split's statistics
+            a = a[:, None] if a.ndim == 3 and len(spec.input_shape) == 3 and spec.input_shape[0] == 1 else a
+            if a.shape[1:] != tuple(spec.input_shape):
+                raise DataError(f"x: expected images [N, {', '.join(map(str, spec.input_shape))}], got {a.shape}")
+            return normalised_rows(a, np.array(spec.normalise[0]), np.array(spec.normalise[1]))
+        if a.ndim != 2 or a.shape[1] != spec.input_dim:
+            raise DataError(f"x: expected feature rows [N, {spec.input_dim}], got {a.shape}")
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def load(path: str | Path, device: str | None = None, **overrides: Any) -> Model:
+    """The model saved in checkpoint directory `path` (parameters and memory bank; no update state). `device` and
+    other run-steering fields (eval_batches, ...) may be set; everything is checked before a tensor is copied."""
+    path = Path(path)
+    meta = read_meta(path)
+    try:
+        cfg = build_config(
+            [
+                (f"checkpoint {path}", meta["config"]),
+                ("arguments", {**overrides, **({"device": device} if device else {})}),
+            ]
+        )
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: its config cannot be used: {e}") from None
+    data = None
+    try:
+        spec = InputSpec.from_json(meta["data"], meta["data"].get("vocab", []))
+    except DataError:  # written before checkpoints recorded their inputs' shape: read it off the data
+        data = load_data(cfg.section(DataConfig))
+        spec = InputSpec.of(data)
+    device_ = resolve_device(cfg)
+    machine, memory = build_machine_for(cfg, spec, device_, int(meta["data"].get("num_train") or cfg.batch_size))
+    live = {f"param.{k}": v for k, v in machine.named_params().items()}
+    if memory is not None:
+        live.update(memory.tensors())
+    fingerprint = None if data is None else data_fingerprint(data)
+    loaded, meta = load_checked(path, cfg, fingerprint, live, only=("param.", "memory."))
+    for k, dst in live.items():
+        dst.copy_(loaded[k])
+    return Model(cfg, machine, memory, spec, device_, int(meta["step"]), meta["data"], path, data)

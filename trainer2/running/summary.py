@@ -1,0 +1,67 @@
+"""A run's summary: its held-out figures, length, speed and how it ended, as <run_dir>/summary.json (strict JSON: a
+non-finite number is null) and as the one line the command line prints."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from trainer2.data.dataset import Dataset
+from trainer2.io.safeio import write_replace
+from trainer2.running.checkpointing import Progress
+
+SUMMARY_FILE = "summary.json"
+
+
+def last_evaluation(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest logged row with held-out figures, or None."""
+    return next((r for r in reversed(history) if "heldout_loss" in r), None)
+
+
+def summary(last_eval: dict[str, Any] | None, data_kind: str, progress: Progress, **ending: Any) -> dict[str, Any]:
+    """The summary of a run at `progress` whose last held-out evaluation is `last_eval` (a log row, or None); `ending`
+    adds the dropped-update count, device, window backend, interrupted and diverged fields (and an error)."""
+    held = (
+        {k: last_eval[k] for k in ("heldout_bpc", "heldout_acc", "heldout_loss") if k in last_eval} if last_eval else {}
+    )
+    wall = progress.wall_seconds
+    out = {
+        **held,
+        **({"heldout_window": last_eval["window"]} if last_eval else {}),
+        "data_kind": data_kind,
+        "windows": progress.window,
+        "examples_seen": progress.examples,
+        "wall_seconds": wall,
+        "windows_per_second": progress.window / wall if wall > 0 else 0.0,
+        **ending,
+    }
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}
+
+
+def write_summary(run_dir: Path, values: dict[str, Any]) -> None:
+    """<run_dir>/summary.json, replaced whole."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_replace(run_dir / SUMMARY_FILE, (json.dumps(values, indent=2, allow_nan=False) + "\n").encode())
+
+
+def done_line(values: dict[str, Any]) -> str:
+    """The one-line result of a finished run; a non-finite figure (null in summary.json) says so."""
+
+    def fmt(key: str) -> str:
+        return "non-finite" if values.get(key) is None else f"{values[key]:.3f}"
+
+    score = f"bpc {fmt('heldout_bpc')}" if "heldout_bpc" in values else f"loss {fmt('heldout_loss')} nats/example"
+    return (
+        f"done: {values['windows']} windows, {values['examples_seen']} examples in {values['wall_seconds']:.1f}s "
+        f"({values['windows_per_second']:.2f} win/s); held-out {score}, acc {fmt('heldout_acc')}"
+    )
+
+
+def run_header(data: Dataset, device: object, backend: str, reason: str) -> str:
+    """What a run says it trains on, where, and with which window backend, before its first window."""
+    return (
+        f"data: {data.source} ({data.kind}, {data.num_examples('train')} train / {data.num_examples('heldout')} "
+        f"held-out examples, {data.num_classes} classes); device: {device}\nwindow backend: {backend} ({reason})"
+    )
