@@ -226,6 +226,11 @@ class TrainConfig(BaseModel):
         description="Relaxation phases: 'torch' operators, or 'triton' (one kernel launch per phase; needs the kernels "
         "extra and a CUDA device); 'auto' takes triton on CUDA where it can run, torch otherwise.",
     )
+    update_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="Parameter update: 'torch' operators, or 'triton' (the fused update: two kernel launches over the "
+        "flat buffer; needs the kernels extra and a CUDA device); 'auto' keeps torch until the kernel is GPU-checked.",
+    )
     cudnn_benchmark: bool = Field(False, description="Set torch.backends.cudnn.benchmark.")
     cudnn_deterministic: bool = Field(False, description="Set torch.backends.cudnn.deterministic.")
     allow_tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere and newer GPUs.")

@@ -16,7 +16,8 @@ from trainer2.config import TrainConfig
 from trainer2.learning.gradients import StepResult
 from trainer2.learning.params import GROUPS, ParamTable
 from trainer2.learning.subnormals import flush_subnormals_
-from trainer2.physics.machine import Machine, project_constraints
+from trainer2.physics.kernels.backend import choose_update_backend
+from trainer2.physics.machine import Machine, cap_spectral, project_constraints
 
 
 @dataclass
@@ -103,6 +104,24 @@ def flat_update(
     return ok
 
 
+def fused_update(table: ParamTable, cfg: TrainConfig):
+    """The fused Triton update (trainer2.physics.kernels.fused_update.FusedUpdate) for this table and config: what
+    flat_update and clamp_readout do, in two launches. Imports triton, so call it only once triton is chosen."""
+    from trainer2.physics.kernels.fused_update import FusedUpdate
+
+    return FusedUpdate(
+        table.flat,
+        cfg.update_rule == "adam",
+        cfg.momentum,
+        cfg.adam_beta2,
+        cfg.adam_eps,
+        *(table.span_of(n) for n in ("g_diag", "theta", "r_sc")),
+        cfg.g_min,
+        cfg.g_max,
+        cfg.r_min,
+    )
+
+
 # Sums over a log interval; `MetricSums.read` turns them into the logged means.
 METRICS = (
     "windows",
@@ -153,6 +172,9 @@ class Updater:
         self.grad, self.step = torch.zeros_like(table.flat), torch.zeros_like(table.flat)
         self.step_parts = {g: self.step[table.spans[g]] for g in GROUPS if g in table.spans}  # views, made once
         self.counts: dict[int, Tensor] = {}  # 0-dim constants for the per-window counts, by value
+        # The update's backend, chosen once: torch's operators, or the fused Triton update (readout clamps included)
+        self.backend = choose_update_backend(cfg.update_backend, table.flat.device, table.flat.dtype)
+        self.fused = fused_update(table, cfg) if self.backend.name == "triton" else None
 
     def gather(self, grads: dict[str, Tensor]) -> Tensor:
         """Copy the named gradients into the flat buffer (one copy); returns it."""
@@ -161,8 +183,13 @@ class Updater:
     def apply(self, out: StepResult, targets: Tensor) -> None:
         """Update every parameter from the gathered gradient, project the constraints, add the window's metrics."""
         t = self.table
-        ok = flat_update(t.flat, self.grad, self.state, t.mult, t.decay_flat, self.cfg, self.step)
-        project_constraints(self.m, self.cfg, self.state.power_vecs)
+        if self.fused is None:
+            ok = flat_update(t.flat, self.grad, self.state, t.mult, t.decay_flat, self.cfg, self.step)
+            project_constraints(self.m, self.cfg, self.state.power_vecs)
+        else:  # the fused kernel clamps the readout too
+            s = self.state
+            ok = self.fused(t.flat, self.grad, s.bufs, s.sq, s.count, s.lr, s.dropped, t.mult, t.decay_flat, self.step)
+            cap_spectral(self.m, self.cfg, s.power_vecs)
         st = out.stats
         self.metrics.add(
             {

@@ -187,6 +187,7 @@ class Trainer:
             f"device: {self.device}"
         )
         self.log(f"window backend: {self.relaxation.backend.name} ({self.relaxation.backend.reason})")
+        self.log(f"update backend: {self.updater.backend.name} ({self.updater.backend.reason})")
         quiet = {} if self.dist.is_main else {"disable": True}  # only rank 0 shows a bar
         bar = tqdm(
             total=total,
@@ -499,6 +500,7 @@ class Trainer:
             "dropped_updates": float(self.updater.state.dropped),
             "device": str(self.device),
             "window_backend": self.relaxation.backend.name,
+            "update_backend": self.updater.backend.name,
             "interrupted": interrupted,
             "diverged": diverged is not None,
             **({"error": diverged} if diverged else {}),
