@@ -139,6 +139,7 @@ def test_a_buffer_in_another_layout_is_refused_not_misread():
         u.fused(u.table.flat, strided, s.bufs, s.sq, s.count, s.lr, s.dropped, None, None, u.step)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (python -m benchmarks.gpu_checks on one)")
 def test_the_compiled_update_equals_the_torch_update_on_cuda():
     """The real (compiled, not interpreted) kernels at the dev preset's shapes, float32 and float64; in a subprocess,

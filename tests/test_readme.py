@@ -71,8 +71,8 @@ def invocation(tokens: list[str]) -> tuple[str, list[str]] | None:
         return "trainer2", tokens[1:]
     if python and tokens[1:3] == ["-m", "trainer2"]:
         return "trainer2", tokens[3:]
-    if python and tokens[1:3] == ["-m", "benchmarks.gpu_checks"]:  # the CUDA tests, then bench with these arguments
-        return "trainer2", ["bench", *tokens[3:]]
+    if python and tokens[1] == "-m" and len(tokens) > 2 and re.fullmatch(r"benchmarks\.\w+", tokens[2]):
+        return tokens[2], tokens[3:]
     if python and (bench := re.fullmatch(r"(?:\./)?benchmarks/(\w+)\.py", tokens[1])):
         return f"benchmarks.{bench.group(1)}", tokens[2:]
     if python and tokens[1].endswith("main.py"):
