@@ -1,6 +1,7 @@
 """The fused Triton update against the torch update on one device (issue 38): the largest difference of the parameters,
 moments, applied step, count and dropped count after several updates, for Adam and heavy-ball momentum, each with and
-without weight decay and per-group learning rates, one gradient non-finite (the update dropped).
+without weight decay and per-group learning rates, one gradient non-finite (the update dropped); on CUDA also one
+update captured in a CUDA graph and replayed against its eager call (bitwise, no host sync).
 
     python -m benchmarks.update_check [--preset dev] [--steps 6] [--FIELD VALUE ...]
 
@@ -91,7 +92,40 @@ def compare(cfg: TrainConfig, device: torch.device, steps: int = 6, drop_at: int
         "ok": float(any(a != b for a, b in oks)),
     }
     facts.update(oks=[a for a, _ in oks], launches=fused.launches, programs=-(-n // 1024), sums=fused.n_sums)
+    if device.type == "cuda":
+        errors["graph replay"] = graph_replay(fused, t_tri, tri, g.nan_to_num(0.0))
     return errors, facts
+
+
+def graph_replay(fused, table: ParamTable, st: UpdateState, grad: Tensor) -> float:
+    """One fused update captured in a CUDA graph and replayed from the same start, against the eager call; a host sync
+    in either is an error (torch.cuda.set_sync_debug_mode)."""
+    step = torch.zeros_like(table.flat)
+    live = [table.flat, st.bufs, st.sq, st.count, st.dropped, step]
+    start = [t.clone() for t in live]
+
+    def update() -> None:
+        fused(table.flat, grad, st.bufs, st.sq, st.count, st.lr, st.dropped, table.mult, table.decay_flat, step)
+
+    def restore() -> None:
+        for t, t0 in zip(live, start):
+            t.copy_(t0)
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        update()
+        eager = [t.clone() for t in live]
+        restore()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            update()
+        restore()
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return max(relative(t, e) for t, e in zip(live, eager))
 
 
 def first_step_facts(m, table: ParamTable, st: UpdateState, quiet: Tensor, cfg: TrainConfig) -> dict[str, bool]:
@@ -127,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     for rule in ("adam", "momentum"):
         for name, fields in VARIANTS.items():
             cfg = base.model_copy(update={"update_rule": rule, "update_backend": "triton", **fields})
-            errors, facts = compare(cfg, device, args.steps)
-            worst = max(worst, *errors.values())
+            errors, facts = compare(cfg, device, args.steps, drop_at=args.steps // 2)
+            # a replayed graph runs the very kernels of its eager call: any difference fails
+            worst = max(worst, *errors.values(), math.inf if errors.get("graph replay") else 0.0)
             print(f"{rule:>8} {name:<10}: " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items()) + f"; {facts}")
     print(f"largest relative difference {worst:.3g}: {'PASS' if worst <= tol else 'FAIL'}")
     return 0 if worst <= tol else 1

@@ -155,3 +155,12 @@ def test_the_compiled_update_equals_the_torch_update_on_cuda():
             cmd, env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_device_check_script_passes_in_the_interpreter(capsys):
+    """benchmarks/update_check.py, which the CUDA test runs at the dev preset's shapes, on tiny CPU shapes."""
+    from benchmarks import update_check
+
+    assert update_check.main(["--device", "cpu", "--hidden_sizes", "8", "--steps", "3", "--dtype", "float64"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("'oks': [1.0, 0.0, 1.0]") == 4 and "momentum decay+mult" in out and "PASS" in out
