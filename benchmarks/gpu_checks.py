@@ -16,7 +16,8 @@ it in a second call with --parts):
               whole epoch when it fits in its budget, else timed batches extrapolated to the epoch's 390);
   tests       the tests that need CUDA (`pytest -m cuda`: graph capture, the compiled Triton kernels against torch, ...;
               --tests all: the whole suite);
-  dev64, conv, production, deep   more bench rows (eager, graph, compile+graph or triton+graph).
+  conv, dev64, production, deep   more bench rows: the conv preset at batch 128 (eager, graph, compile+graph), dev
+              batch 64 (as dev8), production and deep (eager, graph, triton+graph).
 
 It prints one line per part as it goes, then one row per goal in the form docs/performance.md keeps,
 `| gpu-goal | <commit> | <device> | <name> | <value> | <goal> | met/not met |`, and last the table of every mode.
@@ -83,7 +84,7 @@ class Plan:
             200,
             50_000,
             (3, 32, 32),
-            120.0,
+            60.0,
             4096,
             {
                 "dev8": ("dev", [8], torch_modes),
@@ -96,17 +97,18 @@ class Plan:
         )
 
 
-# Estimated seconds of each part on an H100 (compiling dominates), for the budget; the parts run in this order.
+# Estimated seconds of each part on an H100 (compiling dominates), for the budget; the parts run in this order, the goal
+# rows' parts first. The "(N s in)" lines of a run give the real figures.
 ESTIMATE_S = {
-    "dev8": 120,
-    "graph": 40,
-    "dev4096": 40,
-    "conv-epoch": 150,
-    "tests": 150,
-    "dev64": 100,
-    "conv": 120,
-    "production": 30,
-    "deep": 45,
+    "dev8": 90,
+    "graph": 30,
+    "dev4096": 25,
+    "conv-epoch": 80,
+    "tests": 120,
+    "conv": 90,
+    "dev64": 75,
+    "production": 20,
+    "deep": 30,
 }
 
 
