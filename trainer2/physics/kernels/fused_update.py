@@ -6,9 +6,12 @@ r_sc >= r_min, theta wrapped to [-pi, pi)). The spectral cap's power iterations 
 
 Its torch reference is trainer2.learning.update.flat_update followed by trainer2.physics.machine.clamp_readout, the
 torch update this replaces; tests/test_fused_update.py compares the two. The kernel repeats their operations in their
-order and rounding (torch's lerp and addcmul round once on the CPU, so they are FMAs here), with one exception: Adam's
-bias corrections b^t are exp2(t log2 b) in float64, rounded to the parameters' dtype, where torch calls pow (Triton has
-pow only in CUDA's libdevice, which its interpreter cannot run), which can differ in the last bit of one scalar.
+order and rounding (torch's lerp and addcmul round once on the CPU, so they are FMAs here), except where the last bit
+can differ: Adam's bias corrections b^t are exp2(t log2 b) in float64 rounded to the parameters' dtype, where torch
+calls pow (Triton has pow only in CUDA's libdevice, which its interpreter cannot run); Adam's sqrt is correctly rounded
+here (as CUDA's), torch's vectorised CPU sqrt is not always; and on the GPU Triton fuses a multiply and an add that
+torch's separate kernels round twice (momentum's buf * mu + grad). Heavy-ball momentum is bitwise equal in Triton's
+interpreter; docs/triton.md has the figures.
 """
 
 from __future__ import annotations
