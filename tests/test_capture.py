@@ -20,7 +20,15 @@ from trainer2.running.step_runner import StaticBatch, StepRunner, step_tensors
 from trainer2.running.trainer import Trainer
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (python -m benchmarks.gpu_checks on one)")
+
+
+def needs_cuda(test):
+    """Skipped without a GPU, and marked `cuda`: `pytest -m cuda` (benchmarks/gpu_checks.py) runs these there."""
+    return pytest.mark.cuda(
+        pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (python -m benchmarks.gpu_checks)")(test)
+    )
+
+
 V = 7
 SHORT = {"free_steps": 2, "nudge_steps": 1}  # compile time grows with the unrolled steps
 
@@ -163,6 +171,7 @@ def test_compiled_step_equals_eager():
     assert_same_state(eager, compiled, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not CUDA and not os.environ.get("TRAINER2_SLOW_TESTS"),
     reason="inductor spends minutes compiling C++ kernels on CPU; set TRAINER2_SLOW_TESTS=1 to run",

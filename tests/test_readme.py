@@ -71,8 +71,6 @@ def invocation(tokens: list[str]) -> tuple[str, list[str]] | None:
         return "trainer2", tokens[1:]
     if python and tokens[1:3] == ["-m", "trainer2"]:
         return "trainer2", tokens[3:]
-    if python and tokens[1:3] == ["-m", "benchmarks.gpu_checks"]:  # the CUDA tests, then bench with these arguments
-        return "trainer2", ["bench", *tokens[3:]]
     if (
         python
         and tokens[1:2] == ["-m"]

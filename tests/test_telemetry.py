@@ -401,6 +401,7 @@ def test_plot_refuses_a_directory_without_telemetry(tmp_path, capsys):
     assert "not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_phases_are_timed_with_events_and_memory_and_device_ops_are_recorded(small_text, tmp_path):
     over = run_flags(

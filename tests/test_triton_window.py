@@ -225,6 +225,7 @@ def test_the_device_check_script_passes_in_the_interpreter(capsys):
     assert code == 0 and "nudged spd" in out and "PASS" in out
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (python -m benchmarks.gpu_checks on one)")
 def test_the_compiled_kernels_equal_the_torch_window_on_cuda():
     """The real (compiled, not interpreted) kernels at the dev preset's shapes, and their CUDA-graph replay; in a
@@ -291,6 +292,7 @@ def test_bench_times_the_triton_window_as_a_mode(small_text, monkeypatch):
     # the triton mode's 5 warm-up (warmup_steps 3 + 2), 2 timed and 1 profiled windows; none from eager or the
     # phase table
     assert len(spy.grids) == 5 + 2 + 1
+    assert tri.triton_per_batch == 4 and eager.triton_per_batch == 0  # the window's 2 launches and the fused update's 2
     assert graph.note == "n/a (CUDA graphs need a CUDA device)" and "triton+graph" in table
 
 

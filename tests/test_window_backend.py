@@ -9,12 +9,14 @@ import pytest
 from tiny import tiny_config, tiny_machine
 
 from trainer2.cli import main
+from trainer2.learning.step import build_step
 from trainer2.physics.dynamics import Integrator, fixed_point_steps, leapfrog_steps
 from trainer2.physics.kernels import backend
 from trainer2.physics.relaxation import Relaxation
-from trainer2.train_config import ConfigError
+from trainer2.section import ConfigError
 
 FIXED = Integrator(1.0, 1.0, 1.0)
+CPU = backend.torch.device("cpu")
 
 
 def relax(**overrides) -> Relaxation:
@@ -112,3 +114,49 @@ def test_auto_takes_triton_on_cuda_only_where_the_layers_fit_in_registers(monkey
         backend.choose_backend("triton", cuda, backend.torch.float32, FIXED, [1024, 32], 100, ["dense", "dense"]).name
         == "triton"
     )
+
+
+# --- --update_backend: the fused update's choice follows the same rules ---
+
+
+def test_the_update_backend_is_torch_on_the_cpu_unless_triton_is_asked_for(monkeypatch):
+    cfg = tiny_config()
+    for requested in ("auto", "torch"):
+        upd = cfg.model_copy(update={"update_backend": requested})
+        step = build_step(tiny_machine(cfg), cfg, upd, cfg.batch_size)
+        assert step.updater.backend.name == "torch" and step.updater.fused is None
+    assert backend.choose_update_backend("auto", CPU, backend.torch.float64).reason.startswith("auto: the ")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="update_backend: triton cannot run here: the device is cpu"):
+        build_step(tiny_machine(cfg), cfg, cfg.model_copy(update={"update_backend": "triton"}), cfg.batch_size)
+
+
+def test_the_update_backend_names_a_missing_triton(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        backend.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    cuda = backend.choose_update_backend("auto", backend.torch.device("cuda"), backend.torch.float32)
+    assert cuda.name == "torch" and "triton is not installed" in cuda.reason
+    with pytest.raises(ConfigError, match="triton is not installed"):
+        backend.choose_update_backend("triton", backend.torch.device("cuda"), backend.torch.float32)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install -e '.[kernels]')"
+)
+def test_auto_keeps_the_torch_update_until_the_kernel_is_checked_on_a_gpu(monkeypatch):
+    cuda = backend.torch.device("cuda")
+    default = backend.choose_update_backend("auto", cuda, backend.torch.float32)
+    assert default.name == "torch" and "not yet checked on a GPU" in default.reason
+    monkeypatch.setattr(backend, "AUTO_TAKES_TRITON_UPDATE", True)
+    assert backend.choose_update_backend("auto", cuda, backend.torch.float32).name == "triton"
+    assert backend.choose_update_backend("torch", cuda, backend.torch.float32).name == "torch"
+
+
+def test_the_cli_refuses_the_fused_update_in_one_line(tmp_path, small_text, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    argv = ["--data", str(small_text), "--checkpoint_dir", str(tmp_path), "--device", "cpu", "--max_windows", "1"]
+    code = main([*argv, "--hidden_sizes", "8", "--batch_size", "4", "--update_backend", "triton"])
+    err = capsys.readouterr().err
+    assert code == 2 and "update_backend: triton cannot run here: the device is cpu" in err and "Traceback" not in err

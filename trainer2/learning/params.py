@@ -68,6 +68,15 @@ class ParamTable:
             raise KeyError(f"gradients for {sorted(grads)} do not match the parameters {sorted(self.names)}")
         return [grads[n] for n in self.names]
 
+    def span_of(self, name: str) -> slice:
+        """The elements of parameter `name` in the flat buffer."""
+        at = 0
+        for n, t in zip(self.names, self.tensors, strict=True):
+            if n == name:
+                return slice(at, at + t.numel())
+            at += t.numel()
+        raise KeyError(f"no parameter {name!r} in {self.names}")
+
     def views(self, buf: Tensor) -> dict[str, Tensor]:
         """A flat (P,) buffer (gradient, momentum, ...) seen per parameter, by name, with each parameter's shape."""
         return split_flat(buf, {n: t.shape for n, t in zip(self.names, self.tensors, strict=True)})

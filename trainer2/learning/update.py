@@ -19,7 +19,8 @@ from torch import Tensor
 from trainer2.learning.gradients import StepResult
 from trainer2.learning.params import GROUPS, ParamTable
 from trainer2.learning.subnormals import flush_subnormals_
-from trainer2.physics.machine import Machine, project_constraints
+from trainer2.physics.kernels.backend import choose_update_backend
+from trainer2.physics.machine import Machine, MachineConfig, cap_spectral, project_constraints
 from trainer2.section import Section
 
 MAX_LR = 1.0  # largest learning rate of any parameter group (see UpdateConfig._rates)
@@ -44,6 +45,11 @@ class UpdateConfig(Section):
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate decay after warm-up.")
     lr_min_ratio: float = Field(
         0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of the peak (cosine)."
+    )
+    update_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="Parameter update: 'torch' operators, or 'triton' (the fused update: two kernel launches over the "
+        "flat buffer; needs the kernels extra and a CUDA device); 'auto' keeps torch until the kernel is GPU-checked.",
     )
 
     @property
@@ -159,6 +165,25 @@ def flat_update(
     return ok
 
 
+def fused_update(table: ParamTable, cfg: UpdateConfig, spec: MachineConfig):
+    """The fused Triton update (trainer2.physics.kernels.fused_update.FusedUpdate) for this table, update section and
+    machine (its readout's clamps): what flat_update and clamp_readout do, in two launches. Imports triton, so call it
+    only once triton is chosen."""
+    from trainer2.physics.kernels.fused_update import FusedUpdate
+
+    return FusedUpdate(
+        table.flat,
+        cfg.update_rule == "adam",
+        cfg.momentum,
+        cfg.adam_beta2,
+        cfg.adam_eps,
+        *(table.span_of(n) for n in ("g_diag", "theta", "r_sc")),
+        spec.g_min,
+        spec.g_max,
+        spec.r_min,
+    )
+
+
 # Sums over a log interval; `MetricSums.read` turns them into the logged means.
 METRICS = (
     "windows",
@@ -209,6 +234,9 @@ class Updater:
         self.grad, self.step = torch.zeros_like(table.flat), torch.zeros_like(table.flat)
         self.step_parts = {g: self.step[table.spans[g]] for g in GROUPS if g in table.spans}  # views, made once
         self.counts: dict[int, Tensor] = {}  # 0-dim constants for the per-window counts, by value
+        # The update's backend, chosen once: torch's operators, or the fused Triton update (readout clamps included)
+        self.backend = choose_update_backend(cfg.update_backend, table.flat.device, table.flat.dtype)
+        self.fused = fused_update(table, cfg, machine.spec) if self.backend.name == "triton" else None
 
     def gather(self, grads: dict[str, Tensor]) -> Tensor:
         """Copy the named gradients into the flat buffer (one copy); returns it."""
@@ -217,8 +245,13 @@ class Updater:
     def apply(self, out: StepResult, targets: Tensor) -> None:
         """Update every parameter from the gathered gradient, project the constraints, add the window's metrics."""
         t = self.table
-        ok = flat_update(t.flat, self.grad, self.state, t.mult, t.decay_flat, self.cfg, self.step)
-        project_constraints(self.m, self.state.power_vecs)
+        if self.fused is None:
+            ok = flat_update(t.flat, self.grad, self.state, t.mult, t.decay_flat, self.cfg, self.step)
+            project_constraints(self.m, self.state.power_vecs)
+        else:  # the fused kernel clamps the readout too
+            s = self.state
+            ok = self.fused(t.flat, self.grad, s.bufs, s.sq, s.count, s.lr, s.dropped, t.mult, t.decay_flat, self.step)
+            cap_spectral(self.m, s.power_vecs)
         st = out.stats
         self.metrics.add(
             {

@@ -226,16 +226,27 @@ def cap_couplings(m: Machine) -> None:
 
 
 def project_constraints(m: Machine, power_vecs: list[Tensor]) -> None:
-    """After every update: clamp g_diag and R_sc, wrap angles to [-pi, pi), cap each coupling's operator norm
-    at coupling_cap, which keeps E's smallest curvature >= 1 - spectral_cap at any depth.
+    """After every update: clamp the readout (clamp_readout), then cap each coupling's operator norm (cap_spectral)."""
+    clamp_readout(m)
+    cap_spectral(m, power_vecs)
 
-    Each cap uses two power-iteration steps with a persistent vector per coupling (power_vecs[i] has the
-    coupling's power_size), all on the device with no host sync.
-    """
+
+def clamp_readout(m: Machine) -> None:
+    """Clamp g_diag to [g_min, g_max] and R_sc to >= r_min, wrap angles to [-pi, pi) (the fused update's kernel does
+    the same inside its launch)."""
     r, spec = m.readout, m.spec
     r.g_diag.clamp_(spec.g_min, spec.g_max)
     r.r_sc.clamp_(min=spec.r_min)
     r.theta.add_(math.pi).remainder_(2 * math.pi).sub_(math.pi)
-    cap = coupling_cap(spec)
+
+
+def cap_spectral(m: Machine, power_vecs: list[Tensor]) -> None:
+    """Cap each coupling's operator norm at coupling_cap, which keeps E's smallest curvature >= 1 - spectral_cap at
+    any depth.
+
+    Each cap uses two power-iteration steps with a persistent vector per coupling (power_vecs[i] has the
+    coupling's power_size), all on the device with no host sync.
+    """
+    cap = coupling_cap(m.spec)
     for c, u in zip(m.energy.between_states, power_vecs):  # no vectors, no caps (the feed-forward baseline's choice)
         c.cap_power(cap, u)

@@ -1,13 +1,14 @@
-"""Speed benchmark: eager vs CUDA graph vs torch.compile vs compile+graph (torch window), and the Triton window
-(one kernel launch per relaxation phase) eager, in a graph, and compiled in a graph, in one run, on one config.
+"""Speed benchmark: eager vs CUDA graph vs torch.compile vs compile+graph (torch window and update), and the Triton
+kernels (one launch per relaxation phase, the fused update) eager, in a graph, and compiled in a graph, in one run, on
+one config.
 
     python main.py bench [--preset NAME] [--FIELD VALUE ...] [--batch_sizes 8 64] [--modes ...] [--windows 20]
 
 For each batch size and mode it builds a fresh machine (same seed) and runs warm-up windows (compile,
 graph capture and one replay included; not timed); then it times `--windows` batch steps per mode in
 interleaved rounds, so a drifting load hits every mode alike (CUDA events on a GPU, perf_counter on
-CPU). It prints windows/s, examples/s, the ratio to eager, and kernels (ops on CPU) and launch calls
-per relaxation step from torch.profiler over one batch step.
+CPU). It prints windows/s, examples/s, the ratio to eager, kernels (ops on CPU) and launch calls per relaxation step
+and per batch step from torch.profiler over one batch step, and the Triton launches the step's code makes.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class Row:
     windows_per_s: float | None = None
     kernels_per_step: float | None = None
     launches_per_step: float | None = None
+    kernels_per_batch: int | None = None  # kernels (ops on CPU) of one whole batch step
+    triton_per_batch: int = 0  # Triton launches one batch step's code makes (window and update)
     setup_s: float = 0.0
     note: str = ""
 
@@ -137,6 +140,12 @@ def host_batches(data: Dataset, batch: int, n: int, seed: int) -> list[tuple[tor
     return [data.batch("train", sampler.next()) for _ in range(n)]
 
 
+def triton_launches(step: BatchStep) -> int:
+    """Triton launches the step's window and update have made so far (their counters; 0 for the torch backends)."""
+    fused = step.updater.fused
+    return getattr(step.relax.steps_fn, "launches", 0) + (0 if fused is None else fused.launches)
+
+
 def make_step(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device) -> BatchStep:
     """A fresh machine (same seed every time) and its EP batch step for `batch` examples."""
     parts = build_parts(cfg, device, data, batch)
@@ -149,10 +158,11 @@ def prepare(
     """A fresh machine (same seed for every mode) and its runner, warmed up (compile and capture included); or why
     not."""
     cuda = device.type == "cuda"
-    # A triton mode is its torch mode with the Triton window; the torch modes pin the torch window (auto may pick
-    # triton).
+    # A triton mode is its torch mode with the Triton window and the fused update; the torch modes pin the torch
+    # window and update (auto may pick triton).
     base = "eager" if mode == "triton" else mode.removeprefix("triton+")
-    cfg = cfg.model_copy(update={"window_backend": "triton" if mode.startswith("triton") else "torch"})
+    backend = "triton" if mode.startswith("triton") else "torch"
+    cfg = cfg.model_copy(update={"window_backend": backend, "update_backend": backend})
     graphs, compiled = base in ("graph", "compile+graph", "reduce-overhead"), base not in ("eager", "graph")
     if graphs and not cuda:
         return Row(batch, mode, note="n/a (CUDA graphs need a CUDA device)"), None
@@ -171,11 +181,14 @@ def prepare(
         log=logs.append,
     )
     start = time.perf_counter()
-    for x, y in warmup:
+    before = triton_launches(step)
+    runner.step(*warmup[0])  # runs (compiled: traces) the step's code, so its Triton launches are counted once
+    launched = triton_launches(step) - before
+    for x, y in warmup[1:]:
         runner.step(x, y)
     if cuda:
         torch.cuda.synchronize(device)
-    row = Row(batch, mode, setup_s=time.perf_counter() - start)
+    row = Row(batch, mode, setup_s=time.perf_counter() - start, triton_per_batch=launched)
     if runner.mode != ("compile+graph" if base == "reduce-overhead" else base):
         row.note = f"n/a ({logs[-1] if logs else 'ran as ' + runner.mode})"
     elif counters["inductor"]["cudagraph_skips"]:
@@ -226,10 +239,11 @@ def measure(
     steps = relax_steps(cfg)
     for row, runner in live:
         kernels, launches = profile_call(lambda: runner.step(*feed[-1]), cuda)
-        row.windows_per_s, row.kernels_per_step, row.launches_per_step = (
+        row.windows_per_s, row.kernels_per_step, row.launches_per_step, row.kernels_per_batch = (
             windows / seconds[id(row)],
             kernels / steps,
             launches / steps,
+            kernels,
         )
     return [row for row, _ in prepared]
 
@@ -248,7 +262,7 @@ class WindowCost:
 def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, windows: int) -> WindowCost:
     """Profile one free and one nudged window of an eager step, then time `windows` eager steps by phase (the torch
     window: its operator count is what this table is for; a triton mode's row counts the Triton window's kernels)."""
-    step = make_step(cfg.model_copy(update={"window_backend": "torch"}), data, batch, device)
+    step = make_step(cfg.model_copy(update={"window_backend": "torch", "update_backend": "torch"}), data, batch, device)
     relax = step.relax
     feed = [(x.to(device), y.to(device)) for x, y in host_batches(data, batch, windows + 2, cfg.seed)]
     free = relax.free_phase(*feed[0])
@@ -301,7 +315,7 @@ def report(
         f"(excluded; setup_s = warm-up incl. compile/capture); {'CUDA events' if cuda else 'perf_counter'}",
         "",
         f"{'batch':>5}  {'mode':<20} {'windows/s':>10} {'examples/s':>11} {'vs eager':>8} "
-        f"{unit + '/step':>12} {'launches/step':>13} {'setup_s':>8}",
+        f"{unit + '/step':>12} {'launches/step':>13} {unit + '/batch':>13} {'triton/batch':>12} {'setup_s':>8}",
     ]
     eager = {r.batch: r.windows_per_s for r in rows if r.mode == "eager"}
     for r in rows:
@@ -313,12 +327,14 @@ def report(
         lines.append(
             f"{r.batch:>5}  {r.mode:<20} {r.windows_per_s:>10.2f} {r.windows_per_s * r.batch:>11.1f} {ratio:>8} "
             f"{fmt(r.kernels_per_step, '.1f'):>12} "
-            f"{fmt(r.launches_per_step if cuda else None, '.1f'):>13} {r.setup_s:>8.1f}"
+            f"{fmt(r.launches_per_step if cuda else None, '.1f'):>13} {fmt(r.kernels_per_batch, 'd'):>13} "
+            f"{r.triton_per_batch:>12} {r.setup_s:>8.1f}"
         )
     lines += [
         "",
         f"{unit}/step: one profiled batch step (free, nudged, update, memory write) / "
-        f"{relax_steps(cfg)} relaxation steps; "
+        f"{relax_steps(cfg)} relaxation steps ({unit}/batch: the whole batch step; triton/batch: the Triton launches "
+        "its code makes, window and fused update); "
         f"eager windows alone: {cost.free_ops:.1f} {unit} per free relaxation step, "
         f"{cost.nudged_ops:.1f} per nudged step "
         f"({'both nudged phases stacked in one batch' if cfg.symmetric_nudge else 'one nudged phase'}).",

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+from torch import Tensor
+
 from trainer2.callbacks import LoopState, Stop
 from trainer2.running import checkpoint as ck
 
@@ -101,6 +104,11 @@ class Health:
             f"{spd / floor:.3g}x its settled floor sqrt(eps) = {floor:.3g}. Give it more steps (free_steps), "
             "a smaller dt, more damping (gamma) or a lower spectral_cap"
         )
+
+
+def all_finite(tensors: tuple[Tensor, ...]) -> bool:
+    """Whether every tensor is finite (one host sync; checked before each save)."""
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def nonfinite(since: int, window: int) -> str:

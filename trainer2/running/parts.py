@@ -51,6 +51,13 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device(name)
 
 
+def set_library_switches(cfg: TrainConfig) -> None:
+    """torch's process-wide switches a run sets: cuDNN's autotuner and determinism, TF32 matmuls."""
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+    torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
+    torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
+
+
 def build_parts(
     cfg: TrainConfig, device: torch.device, data: Dataset | None = None, batch: int | None = None, world: int = 1
 ) -> RunParts:

@@ -59,9 +59,12 @@ def done_line(values: dict[str, Any]) -> str:
     )
 
 
-def run_header(data: Dataset, device: object, backend: str, reason: str) -> str:
-    """What a run says it trains on, where, and with which window backend, before its first window."""
-    return (
+def run_header(data: Dataset, device: object, **backends: Any) -> str:
+    """What a run says it trains on, where, and with which backends (each with a `name` and a `reason`), before its
+    first window."""
+    lines = [
         f"data: {data.source} ({data.kind}, {data.num_examples('train')} train / {data.num_examples('heldout')} "
-        f"held-out examples, {data.num_classes} classes); device: {device}\nwindow backend: {backend} ({reason})"
-    )
+        f"held-out examples, {data.num_classes} classes); device: {device}"
+    ]
+    lines += [f"{what} backend: {b.name} ({b.reason})" for what, b in backends.items()]
+    return "\n".join(lines)

@@ -47,9 +47,9 @@ from trainer2.running.checkpointing import (
 from trainer2.running.checkpointing import run_meta as make_meta
 from trainer2.running.distributed import Distributed
 from trainer2.running.evaluation import heldout_from_sums, heldout_sums, relaxation_cache
-from trainer2.running.health import Diverged, Health, divergence_message
+from trainer2.running.health import Diverged, Health, all_finite, divergence_message
 from trainer2.running.metrics import metric_row
-from trainer2.running.parts import build_parts, resolve_device
+from trainer2.running.parts import build_parts, resolve_device, set_library_switches
 from trainer2.running.rundir import claim, write_error
 from trainer2.running.signals import SignalStop, StopSignals
 from trainer2.running.step_runner import StepRunner
@@ -91,9 +91,7 @@ class Trainer:
             )
         self.device = self.dist.place(resolve_device(cfg), cfg.device)
         torch.manual_seed(cfg.seed)  # the global RNGs too, so anything drawing from them repeats (and is checkpointed)
-        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
-        torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
-        torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
+        set_library_switches(cfg)
         built = build_parts(cfg, self.device, data, world=self.dist.world_size)  # sizes checked before anything large
         dynamics, self.update_cfg = cfg.section(DynamicsConfig), cfg.section(UpdateConfig)
         params = ParamTable.build(built.machine, self.update_cfg.eta_scales, self.update_cfg.weight_decay)
@@ -118,7 +116,7 @@ class Trainer:
         eager = not (graphs or cfg.use_torch_compile)
         self.monitor = Monitor(cfg, self.device, self.run_dir, eager, step.relax, bar, log, writes=self.dist.is_main)
         health = Health(cfg.eps, log, uniform_loss=math.log(max(built.data.num_classes, 2)))
-        saver = Checkpointer(cfg.save_every_windows, self.save_checkpoint, self.params_finite)
+        saver = Checkpointer(cfg.save_every_windows, self.save_checkpoint, lambda: all_finite(params.tensors))
         # Order matters at each hook: the bar first (the monitor hooks step progress into it), the stop signal
         # before the checkpointer (which saves at the window a stop was asked for), the monitor's record last.
         self.callbacks = Callbacks((bar, health, SignalStop(self.signals, self.dist, self.device), saver, self.monitor))
@@ -161,7 +159,7 @@ class Trainer:
         (summary["interrupted"] names the signal); a divergence stops it without saving, and raises Diverged."""
         total = self.total_windows()
         self.log("config:\n" + to_yaml(self.cfg).rstrip())
-        self.log(run_header(self.data, self.device, self.relaxation.backend.name, self.relaxation.backend.reason))
+        self.log(run_header(self.data, self.device, window=self.relaxation.backend, update=self.updater.backend))
         if self.dist.is_main:
             claim(self.run_dir, self.run_id)
         state = LoopState(self.progress.window, total, eager=self.monitor.eager)
@@ -216,10 +214,6 @@ class Trainer:
                     self.history.append(row)
                 hooks.log(state, row)
             hooks.window_end(state)
-
-    def params_finite(self) -> bool:
-        """Whether every parameter is finite (one host sync; checked before each save)."""
-        return bool(torch.stack([torch.isfinite(t).all() for t in self.params.tensors]).all())
 
     def sync_metrics(self) -> dict[str, Any]:
         """One device-to-host transfer of every accumulated metric (summed over the ranks), then reset them."""
@@ -314,6 +308,7 @@ class Trainer:
             dropped_updates=float(self.updater.state.dropped),
             device=str(self.device),
             window_backend=self.relaxation.backend.name,
+            update_backend=self.updater.backend.name,
             interrupted=interrupted,
             diverged=diverged is not None,
             **({"error": diverged} if diverged else {}),

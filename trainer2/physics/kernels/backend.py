@@ -1,6 +1,8 @@
 """Which code relaxes the phases (--window_backend): torch's operators (trainer2.physics.dynamics.fixed_point_steps)
-or one Triton launch per phase (kernels/free_phase.py, kernels/nudged_phase.py). Chosen once per Relaxation; triton
-is imported only when it is chosen, so a run without it never loads it."""
+or one Triton launch per phase (kernels/free_phase.py, kernels/nudged_phase.py); and which code updates the parameters
+(--update_backend): torch's operators (trainer2.learning.update.flat_update) or the fused update (kernels/
+fused_update.py). Each is chosen once per run; triton is imported only when it is chosen, so a run without it never
+loads it."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ MAX_DEPTH = 3
 # The kernels are checked against the torch window in Triton's interpreter only; until their compiled form passes
 # benchmarks/gpu_checks.py on a GPU, auto keeps the torch window and --window_backend triton asks for them explicitly.
 AUTO_TAKES_TRITON = False
+# Likewise for the fused update: auto keeps the torch update until its compiled kernels pass the GPU check.
+AUTO_TAKES_TRITON_UPDATE = False
 FITS = {"hidden units": 256, "coordinates": 64, "candidates": 256}
 RUNS = {"hidden units": 1024, "coordinates": 64, "candidates": 1024}
 
@@ -59,6 +63,12 @@ def triton_blocker(
     wide = too_large(sizes, candidates, RUNS)
     if wide is not None:
         return wide
+    return runtime_blocker(device)
+
+
+def runtime_blocker(device: torch.device) -> str | None:
+    """Why no Triton kernel can run on `device` (no CUDA device and no interpreter, triton missing or broken), or
+    None."""
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return (
             f"the device is {device.type}: Triton kernels need a CUDA device "
@@ -109,6 +119,29 @@ def choose_backend(
                 "torch", "auto: the compiled kernels are not yet checked on a GPU; --window_backend triton runs them"
             )
         blocker = f"{tight}; --window_backend triton runs it anyway, its registers may spill"
+    return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
+
+
+def choose_update_backend(requested: str, device: torch.device, dtype: torch.dtype) -> Backend:
+    """The update's backend. The fused kernel runs any machine (it works on the flat parameter buffer), so only the
+    device, the dtype and triton itself can refuse it; asking for triton where it cannot run is a ConfigError."""
+    if requested == "torch":
+        return Backend("torch", "--update_backend torch")
+    blocker = (
+        f"the kernel runs float32 or float64, this run is {dtype}"
+        if dtype not in (torch.float32, torch.float64)
+        else runtime_blocker(device)
+    )
+    if requested == "triton":
+        if blocker is not None:
+            raise ConfigError(f"update_backend: triton cannot run here: {blocker}; use --update_backend auto or torch")
+        return Backend("triton", "--update_backend triton")
+    if blocker is None and device.type == "cuda":
+        if AUTO_TAKES_TRITON_UPDATE:
+            return Backend("triton", "auto: a CUDA device and triton imports")
+        return Backend(
+            "torch", "auto: the compiled update kernel is not yet checked on a GPU; --update_backend triton runs it"
+        )
     return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
 
 

@@ -1,0 +1,173 @@
+"""The fused Triton update against the torch update on one device (issue 38): the largest difference of the parameters,
+moments, applied step, count and dropped count after several updates, for Adam and heavy-ball momentum, each with and
+without weight decay and per-group learning rates, one gradient non-finite (the update dropped); on CUDA also one
+update captured in a CUDA graph and replayed against its eager call (bitwise, no host sync).
+
+    python -m benchmarks.update_check [--preset dev] [--steps 6] [--FIELD VALUE ...]
+
+The torch update is flat_update then clamp_readout (what the Updater runs with update_backend torch). Exits 1 when a
+difference exceeds the tolerance: steps x the dtype's machine epsilon, relative to the tensor's largest entry (Adam's
+bias corrections are exp2(t log2 b) in the kernel and pow in torch, the CPU's vectorised sqrt is not correctly rounded,
+and on the GPU Triton fuses multiply-adds that torch rounds twice: a few ulps a step). On the CPU it needs
+TRITON_INTERPRET=1 (Triton's interpreter); tests/test_fused_update.py runs it there and asserts more."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+from torch import Tensor
+
+from trainer2.flags import add_config_flags, resolve_config
+from trainer2.learning.params import ParamTable
+from trainer2.learning.update import UpdateState, flat_update, fused_update
+from trainer2.physics.machine import build_machine, clamp_readout
+from trainer2.running.parts import resolve_device
+from trainer2.train_config import TrainConfig
+
+VARIANTS = {  # name -> the fields that make it
+    "plain": {"weight_decay": 0.0, "eta_readout_scale": 1.0, "eta_embed_scale": 1.0},
+    "decay+mult": {"weight_decay": 0.01, "eta_readout_scale": 3.0, "eta_embed_scale": 0.5},
+}
+CLASSES = 7
+
+
+def relative(got: Tensor, want: Tensor) -> float:
+    """max |got - want| / max |want|: 0.0 when bitwise equal, inf when either holds a NaN the other does not."""
+    if torch.equal(got, want):
+        return 0.0
+    return float(((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).nan_to_num(nan=math.inf))
+
+
+def exercised(cfg: TrainConfig, device: torch.device) -> tuple:
+    """A machine whose readout sits outside its bounds (so the clamps act) and its table."""
+    m = build_machine(cfg, CLASSES, cfg.context_len, True, device, seed=cfg.seed)
+    with torch.no_grad():
+        r = m.readout
+        r.g_diag.copy_(torch.linspace(0.0, 2 * cfg.g_max, r.g_diag.numel(), dtype=r.g_diag.dtype))
+        r.theta.copy_(torch.linspace(-7.0, 7.0, r.theta.numel(), dtype=r.theta.dtype))
+        r.r_sc.fill_(0.0)
+    return m, ParamTable.build(m, cfg.eta_scales, cfg.weight_decay)
+
+
+def compare(cfg: TrainConfig, device: torch.device, steps: int = 6, drop_at: int = 3) -> tuple[dict[str, float], dict]:
+    """Run `steps` updates of identical machines through the torch update and the fused one, gradient `drop_at`
+    non-finite; returns (relative difference by tensor, facts about what the run exercised)."""
+    gen = torch.Generator().manual_seed(0)
+    (m_ref, t_ref), (m_tri, t_tri) = exercised(cfg, device), exercised(cfg, device)
+    n = t_ref.flat.numel()
+    states = [UpdateState.allocate(t.flat, [], cfg) for t in (t_ref, t_tri)]
+    quiet = torch.arange(n, device=device) % 5 == 0  # zero gradient there: the moments decay towards subnormals
+    tiny = torch.finfo(t_ref.flat.dtype).tiny
+    for st in states:  # moments already subnormal where the gradient is zero: the flush must zero them
+        st.bufs[quiet] = tiny / 4
+        if st.sq.numel():
+            st.sq[quiet] = tiny / 8
+    fused = fused_update(t_tri, cfg, cfg)
+    steps_out = [torch.zeros_like(t_ref.flat), torch.zeros_like(t_tri.flat)]
+    oks, facts = [], {}
+    for k in range(steps):
+        g = torch.randn(n, generator=gen, dtype=torch.float64) * (1e-3 if k % 2 else 1.0)
+        g = g.to(device=device, dtype=t_ref.flat.dtype).masked_fill(quiet, 0.0)
+        if k == drop_at:
+            g[n - 1 - k] = math.nan if k % 2 else math.inf  # in the last block: every partial sum must be read
+        ok_ref = flat_update(t_ref.flat, g.clone(), states[0], t_ref.mult, t_ref.decay_flat, cfg, steps_out[0])
+        clamp_readout(m_ref)
+        s = states[1]
+        mult, decay = t_tri.mult, t_tri.decay_flat
+        ok_tri = fused(t_tri.flat, g.clone(), s.bufs, s.sq, s.count, s.lr, s.dropped, mult, decay, steps_out[1])
+        oks.append((float(ok_ref), float(ok_tri)))
+        if k == 0:  # the kernel's own first result: the flush and every clamp acted
+            facts.update(first_step_facts(m_tri, t_tri, states[1], quiet, cfg))
+    ref, tri = states
+    errors = {
+        "param": relative(t_tri.flat, t_ref.flat),
+        "momentum": relative(tri.bufs, ref.bufs),
+        "second moment": relative(tri.sq, ref.sq) if ref.sq.numel() else 0.0,
+        "step": relative(steps_out[1], steps_out[0]),
+        "count": relative(tri.count, ref.count),
+        "dropped": relative(tri.dropped, ref.dropped),
+        "ok": float(any(a != b for a, b in oks)),
+    }
+    facts.update(oks=[a for a, _ in oks], launches=fused.launches, programs=-(-n // 1024), sums=fused.n_sums)
+    if device.type == "cuda":
+        errors["graph replay"] = graph_replay(fused, t_tri, tri, g.nan_to_num(0.0))
+    return errors, facts
+
+
+def graph_replay(fused, table: ParamTable, st: UpdateState, grad: Tensor) -> float:
+    """One fused update captured in a CUDA graph and replayed from the same start, against the eager call; a host sync
+    in either is an error (torch.cuda.set_sync_debug_mode)."""
+    step = torch.zeros_like(table.flat)
+    live = [table.flat, st.bufs, st.sq, st.count, st.dropped, step]
+    start = [t.clone() for t in live]
+
+    def update() -> None:
+        fused(table.flat, grad, st.bufs, st.sq, st.count, st.lr, st.dropped, table.mult, table.decay_flat, step)
+
+    def restore() -> None:
+        for t, t0 in zip(live, start):
+            t.copy_(t0)
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        update()
+        eager = [t.clone() for t in live]
+        restore()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            update()
+        restore()
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return max(relative(t, e) for t, e in zip(live, eager))
+
+
+def first_step_facts(m, table: ParamTable, st: UpdateState, quiet: Tensor, cfg: TrainConfig) -> dict[str, bool]:
+    """Whether the subnormal moments were flushed (where nothing decays) and the readout clamped to each bound."""
+    still = quiet if table.decay_flat is None else quiet & (table.decay_flat == 0)
+    r, like = m.readout, table.flat
+    bound = lambda v: torch.tensor(v, dtype=like.dtype, device=like.device)  # noqa: E731
+    return {
+        "flushed": bool((st.bufs[still] == 0).all()) and bool(still.any()),
+        "clamped": bool(r.g_diag.min() == bound(cfg.g_min))
+        and bool(r.g_diag.max() == bound(cfg.g_max))
+        and bool(r.theta.min() >= -bound(math.pi))
+        and bool(r.theta.max() <= bound(math.pi))
+        and bool(r.r_sc == bound(cfg.r_min)),
+    }
+
+
+def tolerance(cfg: TrainConfig, steps: int) -> float:
+    return steps * torch.finfo(getattr(torch, cfg.dtype)).eps
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.update_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", help="Preset name in configs/ or a YAML path (the machine's shapes).")
+    p.add_argument("--config", help="YAML file of config fields, applied over the preset.")
+    p.add_argument("--steps", type=int, default=6, help="Updates per comparison (one of them dropped).")
+    add_config_flags(p)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    base = resolve_config(args)
+    device = resolve_device(base)
+    tol, worst = tolerance(base, args.steps), 0.0
+    print(f"fused update vs torch update: {device}, {base.dtype}, {args.steps} steps, tolerance {tol:.3g}")
+    for rule in ("adam", "momentum"):
+        for name, fields in VARIANTS.items():
+            cfg = base.model_copy(update={"update_rule": rule, "update_backend": "triton", **fields})
+            errors, facts = compare(cfg, device, args.steps, drop_at=args.steps // 2)
+            # a replayed graph runs the very kernels of its eager call: any difference fails
+            worst = max(worst, *errors.values(), math.inf if errors.get("graph replay") else 0.0)
+            print(f"{rule:>8} {name:<10}: " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items()) + f"; {facts}")
+    print(f"largest relative difference {worst:.3g}: {'PASS' if worst <= tol else 'FAIL'}")
+    return 0 if worst <= tol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

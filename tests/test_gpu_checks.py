@@ -1,0 +1,58 @@
+"""benchmarks/gpu_checks.py, which a GPU session runs, cannot rot: its CPU smoke run goes through every part a CPU can
+run (bench rows, graph = eager, the conv epoch, the FLOP count, the CUDA tests' selection) and prints the goal rows in
+the form docs/performance.md keeps, then the table of every mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import torch
+
+from benchmarks import gpu_checks
+from trainer2.physics.kernels.backend import interpreting
+from trainer2.running.bench import make_step
+
+GOAL = re.compile(r"^\| gpu-goal \| abc1234 \| CPU \(smoke\) \| ([^|]+) \| [^|]+ \| [^|]+ \| (met|not met) \|$")
+
+
+def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
+    threads = torch.get_num_threads()
+    try:
+        assert gpu_checks.main(["--smoke", "--commit", "abc1234"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the smoke run uses one
+    lines = capsys.readouterr().out.strip().splitlines()
+    names = [m.group(1).strip() for m in map(GOAL.match, lines) if m]
+    for name in (
+        "triton+graph / compile+graph",
+        "kernels per batch step",
+        "share of fp32 peak",
+        "graph = eager (dense)",
+        "graph = eager (conv)",
+        "conv epoch (DCHN shape)",
+        "CUDA tests",
+    ):
+        assert name in names, (name, names)
+    assert not any(line.startswith("| gpu-goal |") and not GOAL.match(line) for line in lines)
+    table = lines[lines.index("== every mode ==") + 1 :]
+    assert table[0].startswith("| machine | batch | mode |") and all(row.startswith("| ") for row in table)
+    rows = {tuple(c.strip() for c in row.split("|")[1:4]): row.split("|") for row in table[2:]}
+    assert int(rows[("dev", "4", "eager")][6]) > 0  # ops of the profiled batch step
+    assert "CUDA graphs need a CUDA device" in rows[("dev", "4", "graph")][4]
+    if importlib.util.find_spec("triton") and interpreting():
+        assert rows[("dev", "4", "triton")][7].strip() == "4"  # 2 window launches + 2 of the fused update
+    collected = re.search(r"CUDA tests \| (\d+) CUDA tests collected", "\n".join(lines))
+    assert collected and int(collected.group(1)) >= 8  # pytest -m cuda finds the marked tests
+    assert re.search(r"conv epoch \(DCHN shape\) \| [\d.]+ s \(the whole epoch, eager", "\n".join(lines))
+
+
+def test_the_flop_count_follows_the_shapes():
+    """A dense coupling is out x in multiply-adds a pull; a max-pooled 3x3 conv runs at the full image below it."""
+    cfg = gpu_checks.config("conv", True, **gpu_checks.SMOKE_DCHN, augment_shift=0)
+    data = gpu_checks.synthetic_images(16, (3, 8, 8), 10, 0)
+    machine = make_step(cfg, data, 8, torch.device("cpu")).updater.m
+    first, second, out = machine.energy.couplings
+    assert gpu_checks.coupling_macs(first) == 4 * 3 * 9 * 8 * 8
+    assert gpu_checks.coupling_macs(second) == 8 * 4 * 9 * 4 * 4
+    assert gpu_checks.coupling_macs(out) == out.weight.numel() == cfg.coord_dim_n * 8 * 2 * 2
