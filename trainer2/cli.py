@@ -24,7 +24,7 @@ import torch
 from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
 from trainer2.flags import add_config_flags, config_layers, none_or
 from trainer2.io import strictjson
-from trainer2.io.console import say
+from trainer2.io.console import guarded_streams, say
 from trainer2.io.data import DataError
 from trainer2.io.plot import cmd_plot
 from trainer2.io.tensorboard import check_tracking
@@ -224,7 +224,13 @@ def show_note(
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run a command; output that goes away (a closed terminal, a broken pipe) is dropped, never fatal."""
+    with guarded_streams():
+        return run_command(list(sys.argv[1:] if argv is None else argv))
+
+
+def run_command(argv: list[str]) -> int:
+    """The command's exit status; a user's mistake is one line on stderr, never a traceback."""
     command = COMMANDS.get(argv[0]) if argv else None
     run = command or cmd_train
     try:

@@ -1,0 +1,89 @@
+"""Issue 39: a run survives losing its terminal. Output that goes away, SIGUSR1 / SIGUSR2 preemption, symlinked run
+directories, non-finite checkpoints, files that are no regular files; each either finishes its work or is refused
+with one line naming the cause."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_checkpoint import flags, run_dir
+
+from trainer2.cli import main
+from trainer2.io import console
+from trainer2.running import checkpoint as ck
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def finished(tmp_path: Path, name: str, windows: int) -> dict:
+    """The summary of a run that did all its windows and saved its final checkpoint."""
+    rd = run_dir(tmp_path, name)
+    assert ck.find_latest(rd).name == ck.step_name(windows)
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["windows"] == windows and summary["interrupted"] is None
+    return summary
+
+
+# --- 1. output that goes away is never fatal ---
+
+
+class Failing(io.StringIO):
+    """A terminal that goes away after `lines` writes: every later write and flush raises `error`."""
+
+    def __init__(self, lines: int, error: OSError | ValueError) -> None:
+        super().__init__()
+        self.lines, self.error = lines, error
+
+    def write(self, text: str) -> int:
+        if self.lines <= 0:
+            raise self.error
+        self.lines -= 1
+        return super().write(text)
+
+    def flush(self) -> None:
+        if self.lines <= 0:
+            raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [BrokenPipeError(errno.EPIPE, "Broken pipe"), OSError(errno.ENOSPC, "No space left"), ValueError("closed file")],
+)
+@pytest.mark.parametrize("lines", [0, 3])  # at start, and mid-run
+def test_stdout_and_stderr_that_fail_never_end_the_run(tmp_path, small_text, monkeypatch, error, lines):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)  # the progress bar writes to stderr
+    monkeypatch.setattr(sys, "stdout", Failing(lines, error))
+    monkeypatch.setattr(sys, "stderr", Failing(lines, error))
+    assert main([*flags(tmp_path, small_text, run_name="gone", max_windows=6, log_every_windows=2)]) == 0
+    finished(tmp_path, "gone", 6)
+    assert not isinstance(sys.stdout, console.Dropping)  # the streams are put back
+
+
+def test_a_refusal_with_stderr_gone_still_exits_2(tmp_path, small_text, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", Failing(0, BrokenPipeError(errno.EPIPE, "Broken pipe")))
+    assert main(flags(tmp_path, small_text, run_name="bad", max_windows=-1)) == 2
+
+
+@pytest.mark.parametrize("how", ["closed from the start", "one pipe closed mid-run"])
+def test_a_terminal_that_goes_away_loses_no_work(tmp_path, small_text, how):
+    """Real descriptors: stdout and stderr closed before the start (`>&- 2>&-`: no file the run opens may take
+    their numbers), or both on one pipe whose reader goes away after the first line (`2>&1 | head -1`)."""
+    argv = [sys.executable, "main.py", *flags(tmp_path, small_text, run_name="t", max_windows=30)]
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    if how == "closed from the start":
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, preexec_fn=lambda: (os.close(1), os.close(2)))
+    else:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc.stdout.readline()
+        proc.stdout.close()
+    assert proc.wait(timeout=300) == 0
+    finished(tmp_path, "t", 30)
+    for line in (run_dir(tmp_path, "t") / "telemetry.jsonl").read_text().splitlines():
+        json.loads(line)  # nothing meant for the terminal landed in a file of the run
