@@ -8,16 +8,21 @@ import errno
 import io
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from test_checkpoint import flags, run_dir
+from test_checkpoint import assert_same_checkpoint, config, flags, run_dir
 
 from trainer2.cli import main
 from trainer2.io import console
+from trainer2.learning.gradients import ep_gradients
 from trainer2.running import checkpoint as ck
+from trainer2.running.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,3 +92,42 @@ def test_a_terminal_that_goes_away_loses_no_work(tmp_path, small_text, how):
     finished(tmp_path, "t", 30)
     for line in (run_dir(tmp_path, "t") / "telemetry.jsonl").read_text().splitlines():
         json.loads(line)  # nothing meant for the terminal landed in a file of the run
+
+
+# --- 2. SIGUSR1 and SIGUSR2 save and stop like SIGTERM ---
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGUSR2"])
+def test_sigusr_saves_writes_the_resume_command_and_the_run_resumes_bitwise(tmp_path, small_text, sig):
+    assert main(flags(tmp_path, small_text, run_name="whole", max_windows=12)) == 0
+    calls = []
+
+    def preempted_at_window_5(relax, inputs, targets):
+        calls.append(1)
+        if len(calls) == 5:
+            signal.raise_signal(getattr(signal, sig))
+        return ep_gradients(relax, inputs, targets)
+
+    cut = Trainer(config(tmp_path, small_text, run_name="cut", max_windows=12), preempted_at_window_5, lambda m: None)
+    summary = cut.train()
+    assert summary["interrupted"] == sig and summary["windows"] == 5
+    assert ck.find_latest(run_dir(tmp_path, "cut")).name == "step_00000005"
+    saved = json.loads((run_dir(tmp_path, "cut") / "summary.json").read_text())
+    command = shlex.split(saved["resume_command"])  # the terminal that printed it may be gone
+    assert command[command.index("--run_name") + 1] == "cut"
+    assert main(command[command.index("--resume") :]) == 0
+    assert_same_checkpoint(run_dir(tmp_path, "whole") / "step_00000012", run_dir(tmp_path, "cut") / "step_00000012")
+
+
+def test_sigusr1_to_a_real_process_exits_138_after_saving(tmp_path, small_text):
+    argv = [sys.executable, "main.py", *flags(tmp_path, small_text, run_name="u", max_windows=10**9)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    telemetry = run_dir(tmp_path, "u") / "telemetry.jsonl"
+    while proc.poll() is None and not (telemetry.is_file() and telemetry.stat().st_size):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 128 + signal.SIGUSR1, err
+    summary = json.loads((run_dir(tmp_path, "u") / "summary.json").read_text())
+    assert summary["interrupted"] == "SIGUSR1" and ck.find_latest(run_dir(tmp_path, "u"))
+    assert err.strip().splitlines()[-1].endswith(f"resume with: {summary['resume_command']}")

@@ -3,15 +3,14 @@
 Every TrainConfig field is a flag of the same name (trainer2.flags); subcommands evaluate, sample, plot and bench.
 Exit status: 0 done; 2 refused (a bad flag, config, data file or checkpoint; a run directory in use or holding
 another run; sizes that cannot fit); 3 the run diverged; 74 a file could not be written (disk full, read-only, a
-planted symlink); 129 / 130 / 131 / 143 stopped by SIGHUP / SIGINT / SIGQUIT / SIGTERM after saving a checkpoint
-(the last line printed says how to resume).
+planted symlink); 129 / 130 / 131 / 143 / 138 / 140 stopped by SIGHUP / SIGINT / SIGQUIT / SIGTERM / SIGUSR1 /
+SIGUSR2 after saving a checkpoint (the last line printed and summary.json's resume_command say how to resume).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import signal
 import sys
 import warnings
@@ -21,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer2.config import ConfigError, TrainConfig, annotated_yaml, build_config, config_origins, preset_path
+from trainer2.config import ConfigError, annotated_yaml, build_config, config_origins, preset_path
 from trainer2.flags import add_config_flags, config_layers, none_or
 from trainer2.io import strictjson
 from trainer2.io.console import guarded_streams, say
@@ -124,7 +123,7 @@ def cmd_train(argv: list[str]) -> int:
     if summary["interrupted"]:
         print(
             f"trainer2: stopped by {summary['interrupted']} after window {summary['windows']}; resume with: "
-            f"{resume_command(cfg)}",
+            f"{summary['resume_command']}",
             file=sys.stderr,
         )
         return exit_code(signal.Signals[summary["interrupted"]])
@@ -148,23 +147,6 @@ def done_line(summary: dict) -> str:
         f"done: {summary['windows']} windows, {summary['examples_seen']} examples in {summary['wall_seconds']:.1f}s "
         f"({summary['windows_per_second']:.2f} win/s); held-out {score}, acc {fmt('heldout_acc')}"
     )
-
-
-def resume_command(cfg: TrainConfig) -> str:
-    """The command line that continues this run, as this process was started (`python main.py`, `trainer2`)."""
-    arg0 = Path(sys.argv[0])
-    if arg0.name == "__main__.py" and arg0.parent.name == "trainer2":
-        prog = "python -m trainer2"
-    elif arg0.name == "trainer2":
-        prog = "trainer2"
-    else:
-        prog = f"python {shlex.quote(sys.argv[0]) if arg0.name == 'main.py' else 'main.py'}"
-    if "WORLD_SIZE" in os.environ:  # started by torchrun, whose options this process cannot see
-        prog = "torchrun [the same options] " + prog.removeprefix("python ")
-    line = f"{prog} --resume latest --run_name {shlex.quote(cfg.run_name)}"
-    if cfg.checkpoint_dir != TrainConfig.model_fields["checkpoint_dir"].default:
-        line += f" --checkpoint_dir {shlex.quote(cfg.checkpoint_dir)}"
-    return line
 
 
 def cmd_bench(argv: list[str]) -> int:

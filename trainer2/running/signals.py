@@ -1,6 +1,7 @@
-"""A graceful stop on SIGINT, SIGTERM, SIGHUP or SIGQUIT (Ctrl-C, a scheduler's preemption, a closed terminal,
-Ctrl-backslash): the first signal asks the training loop to stop after the current window, which then saves a
-checkpoint and the summary; a second one ends the process at once."""
+"""A graceful stop on SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 or SIGUSR2 (Ctrl-C, a scheduler's preemption, a
+closed terminal, Ctrl-backslash, a cluster's warning before it preempts): the first signal asks the training loop to
+stop after the current window, which then saves a checkpoint and the summary (with the command that continues the
+run); a second one ends the process at once."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from types import FrameType
 from typing import Any
 
 # SIGHUP: the terminal closed; SIGQUIT: Ctrl-backslash, whose default (a core dump) would lose the work since the last
-# checkpoint.
+# checkpoint; SIGUSR1 / SIGUSR2: what SLURM (--signal=USR1@90) and other schedulers send ahead of a preemption, whose
+# default ends the process unsaved.
 STOP_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+    if hasattr(signal, name)
 )
 
 
@@ -50,5 +54,6 @@ class StopSignals:
 
 
 def exit_code(sig: signal.Signals) -> int:
-    """The shell's status for a process ended by `sig`: 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
+    """The shell's status for a process ended by `sig`: 128 + its number (130 for SIGINT, 143 for SIGTERM, 138 for
+    SIGUSR1 on Linux)."""
     return 128 + int(sig)

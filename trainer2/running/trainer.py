@@ -39,6 +39,7 @@ from trainer2.running.distributed import Distributed
 from trainer2.running.evaluation import heldout_from_sums, heldout_sums, relaxation_cache
 from trainer2.running.health import Diverged, Health, divergence_message, nonfinite
 from trainer2.running.parts import build_parts, resolve_device
+from trainer2.running.resume import resume_command
 from trainer2.running.rundir import SUMMARY_FILE, claim, write_error
 from trainer2.running.signals import STOP_SIGNALS, StopSignals
 from trainer2.running.step_runner import StepRunner
@@ -176,9 +177,9 @@ class Trainer:
     @torch.no_grad()
     def train(self) -> dict[str, Any]:
         """Run to total_windows(), save a checkpoint and the summary, and return the summary. The first stop signal
-        (SIGINT, SIGTERM, SIGHUP, SIGQUIT) stops the run after the current window, still saving both
-        (summary["interrupted"] names the
-        signal); a divergence (trainer2.running.health) stops it without saving, and raises Diverged."""
+        (trainer2.running.signals) stops the run after the current window, still saving both (summary["interrupted"]
+        names the signal, summary["resume_command"] continues the run); a divergence (trainer2.running.health) stops
+        it without saving, and raises Diverged."""
         cfg, total = self.cfg, self.total_windows()
         self.log("config:\n" + to_yaml(cfg).rstrip())
         self.log(
@@ -500,6 +501,7 @@ class Trainer:
             "device": str(self.device),
             "window_backend": self.relaxation.backend.name,
             "interrupted": interrupted,
+            **({"resume_command": resume_command(self.cfg)} if interrupted else {}),  # the terminal may be gone
             "diverged": diverged is not None,
             **({"error": diverged} if diverged else {}),
         }
