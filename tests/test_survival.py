@@ -20,8 +20,10 @@ from test_checkpoint import assert_same_checkpoint, config, flags, run_dir
 
 from trainer2.cli import main
 from trainer2.io import console
+from trainer2.io.safeio import write_replace
 from trainer2.learning.gradients import ep_gradients
 from trainer2.running import checkpoint as ck
+from trainer2.running.rundir import LOCK_FILE
 from trainer2.running.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,3 +133,72 @@ def test_sigusr1_to_a_real_process_exits_138_after_saving(tmp_path, small_text):
     summary = json.loads((run_dir(tmp_path, "u") / "summary.json").read_text())
     assert summary["interrupted"] == "SIGUSR1" and ck.find_latest(run_dir(tmp_path, "u"))
     assert err.strip().splitlines()[-1].endswith(f"resume with: {summary['resume_command']}")
+
+
+# --- 3. a run never writes through a symbolic link, its run directory included ---
+
+
+def outside(tmp_path: Path) -> Path:
+    """A directory of the user's outside every run, with a file that must never change."""
+    d = tmp_path / "elsewhere"
+    d.mkdir(exist_ok=True)
+    (d / "precious.txt").write_text("precious")
+    return d
+
+
+def untouched(d: Path) -> bool:
+    return [p.name for p in d.iterdir()] == ["precious.txt"] and (d / "precious.txt").read_text() == "precious"
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_directory_that_is_a_symlink_is_refused(tmp_path, small_text, capsys, resume):
+    target = outside(tmp_path)
+    (tmp_path / "ck").mkdir()
+    if resume:  # a run whose directory was swapped for a link to elsewhere after its first checkpoint
+        assert main(flags(tmp_path, small_text, run_name="real", max_windows=3)) == 0
+        os.symlink(tmp_path / "ck" / "real", tmp_path / "ck" / "x")
+        argv = ["--resume", "latest", "--run_name", "x", "--checkpoint_dir", str(tmp_path / "ck"), "--max_windows", "5"]
+        target = tmp_path / "ck" / "real"
+        before = sorted(p.name for p in target.iterdir())
+    else:
+        os.symlink(target, tmp_path / "ck" / "x")
+        argv = flags(tmp_path, small_text, run_name="x", max_windows=3)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"run directory {tmp_path / 'ck' / 'x'} is a symbolic link" in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in target.iterdir()) == before if resume else untouched(target)
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "summary.json", ".run", "step_00000003", "tb"])
+def test_a_symlink_where_a_run_writes_is_refused(tmp_path, small_text, capsys, name):
+    target = outside(tmp_path)
+    rd = run_dir(tmp_path, "r")
+    rd.mkdir(parents=True)
+    os.symlink(target, rd / name)
+    assert main(flags(tmp_path, small_text, run_name="r", max_windows=3)) == 2
+    err = capsys.readouterr().err
+    assert f"{rd / name} is a symbolic link" in err and "Traceback" not in err, err
+    assert untouched(target) and sorted(p.name for p in rd.iterdir()) == [name]  # no .lock left behind either
+
+
+def test_a_write_through_a_link_planted_mid_run_is_refused(tmp_path, small_text):
+    target = outside(tmp_path)
+    os.symlink(target / "precious.txt", tmp_path / "link")
+    with pytest.raises(OSError, match="is a symbolic link"):
+        write_replace(tmp_path / "link", b"overwritten")
+    os.symlink(target, tmp_path / "run")
+    (tmp_path / "own").mkdir()
+    os.symlink(target, tmp_path / "own" / ck.step_name(1))
+    for rd in (tmp_path / "run", tmp_path / "own"):
+        with pytest.raises(OSError, match="is a symbolic link"):
+            ck.save(rd, 1, {}, {})
+    assert untouched(target)
+
+
+def test_the_lock_file_goes_with_its_run(tmp_path, small_text):
+    rd = run_dir(tmp_path, "r")
+    assert main(flags(tmp_path, small_text, run_name="r", max_windows=3)) == 0
+    assert not (rd / LOCK_FILE).exists()
+    assert main(flags(tmp_path, small_text, run_name="r", max_windows=3)) == 2  # refused: the run has files
+    assert not (rd / LOCK_FILE).exists()

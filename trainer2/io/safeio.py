@@ -36,8 +36,9 @@ def nofollow_open(path: str, flags: int) -> int:
 
 def write_replace(path: Path, data: bytes) -> None:
     """Replace `path` by a file holding `data`, whole or not at all: a fresh temporary file beside it (a leftover
-    one, or a link by that name, is removed first, never followed), fsync, rename over `path` (which replaces
-    a link there, never its target)."""
+    one, or a link by that name, is removed first, never followed), fsync, rename over `path`. A link at `path`
+    is refused."""
+    refuse_links(path)
     tmp = path.parent / f".{path.name}.tmp"
     if os.path.lexists(tmp):
         os.unlink(tmp)

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from trainer2.config import TrainConfig, short_repr, upgrade_legacy
 from trainer2.io import strictjson
+from trainer2.io.safeio import refuse_links
 
 if TYPE_CHECKING:
     from trainer2.io.data import Dataset
@@ -153,8 +154,9 @@ def _sha256(path: Path) -> str:
 
 def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, Any]) -> Path:
     """Write run_dir/step_<N>/ atomically: temp dir, fsync files and dirs, rename. Returns the new path."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / step_name(step)
+    refuse_links(run_dir, target)  # a planted link would carry the checkpoint (or the pruning) elsewhere
+    run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
     if tmp.is_symlink():  # never followed: the link goes, not what it points to
         tmp.unlink()

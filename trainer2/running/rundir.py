@@ -104,8 +104,9 @@ def newest_run(checkpoint_dir: Path) -> Path | None:
 class RunLock:
     """An exclusive lock on a run directory (flock on <run_dir>/.lock, which records the holder's pid and host).
 
-    The kernel releases a flock when its process dies, so the lock of a killed run is never stale. A run
-    directory this lock created and left holding nothing but the lock file is removed again on release."""
+    The kernel releases a flock when its process dies, so the lock of a killed run is never stale. The lock file
+    is removed on release (a killed run's stays, harmless), and so is a run directory this lock created and left
+    empty. A run directory that is a symbolic link is refused."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.path = run_dir, run_dir / LOCK_FILE
@@ -113,6 +114,11 @@ class RunLock:
         self.created = False
 
     def __enter__(self) -> "RunLock":
+        if self.run_dir.is_symlink():  # its files would land wherever the link points, outside checkpoint_dir
+            raise RunDirError(
+                f"run directory {self.run_dir} is a symbolic link (to {os.readlink(self.run_dir)}); a run writes only "
+                "into a directory of its own: remove the link, or pass --checkpoint_dir to write elsewhere"
+            )
         self.created = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if fcntl is None:
@@ -160,15 +166,26 @@ class RunLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.created and {p.name for p in self.run_dir.iterdir()} <= {LOCK_FILE}:
-            self.path.unlink(missing_ok=True)  # nothing was written (the start failed): leave no empty run behind
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # while still held: a waiting opener sees another inode and retries
+            os.close(self.fd)  # releases the flock
+            self.fd = None
+        if self.created:  # nothing was written (the start failed): leave no empty run behind
             try:
                 self.run_dir.rmdir()
             except OSError:
                 pass
-        if self.fd is not None:
-            os.close(self.fd)  # releases the flock
-            self.fd = None
+
+
+def refuse_links_in(run_dir: Path) -> None:
+    """Refuse a run directory holding a symbolic link (a run never makes one: its checkpoints, telemetry or summary
+    would be written wherever it points); leftover temporary names are exempt, since they are removed, not opened."""
+    for p in sorted(run_dir.iterdir()) if run_dir.is_dir() else ():
+        temporary = p.name.startswith(TMP_PREFIX) or (p.name.startswith(".") and p.name.endswith(".tmp"))
+        if p.is_symlink() and not temporary:
+            raise RunDirError(
+                f"{p} is a symbolic link (to {os.readlink(p)}); a run writes only files it made itself: remove the link"
+            )
 
 
 def describe_holder(text: str) -> str:
