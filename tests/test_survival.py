@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import shlex
 import signal
@@ -16,13 +17,15 @@ import time
 from pathlib import Path
 
 import pytest
-from test_checkpoint import assert_same_checkpoint, config, flags, run_dir
+from safetensors.torch import load_file, save_file
+from test_checkpoint import assert_same_checkpoint, config, flags, quiet, run_dir
 
 from trainer2.cli import main
 from trainer2.io import console
 from trainer2.io.safeio import write_replace
 from trainer2.learning.gradients import ep_gradients
 from trainer2.running import checkpoint as ck
+from trainer2.running.evaluation import load_trained
 from trainer2.running.rundir import LOCK_FILE
 from trainer2.running.trainer import Trainer
 
@@ -202,3 +205,45 @@ def test_the_lock_file_goes_with_its_run(tmp_path, small_text):
     assert not (rd / LOCK_FILE).exists()
     assert main(flags(tmp_path, small_text, run_name="r", max_windows=3)) == 2  # refused: the run has files
     assert not (rd / LOCK_FILE).exists()
+
+
+# --- 4. non-finite tensors in a checkpoint whose checksum matches are refused at load ---
+
+
+def poison(step: Path, key: str, value: float) -> None:
+    """Write `value` into one element of tensor `key` and make the sidecar's size and sha256 match again."""
+    tensors = load_file(str(step / ck.TENSORS_FILE))
+    tensors[key].view(-1)[0] = value
+    save_file(tensors, str(step / ck.TENSORS_FILE))
+    meta = json.loads((step / ck.META_FILE).read_text())
+    meta["tensors"].update(bytes=(step / ck.TENSORS_FILE).stat().st_size, sha256=ck._sha256(step / ck.TENSORS_FILE))
+    (step / ck.META_FILE).write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("value", [math.nan, -math.inf])
+def test_non_finite_parameters_are_refused_by_every_loader_naming_the_last_finite_checkpoint(
+    tmp_path, small_text, capsys, value
+):
+    quiet(config(tmp_path, small_text, run_name="r", max_windows=10, save_every_windows=5)).train()
+    rd = run_dir(tmp_path, "r")
+    bad, good = rd / "step_00000010", rd / "step_00000005"
+    poison(bad, "param.W_1", value)
+    says = f"{bad / ck.TENSORS_FILE}: tensor 'param.W_1' holds 1 non-finite value(s)"
+    resume = ["--resume", "latest", "--run_name", "r", "--checkpoint_dir", str(tmp_path / "ck"), "--max_windows", "12"]
+    for argv in (resume, ["evaluate", "--checkpoint", str(bad)], ["sample", "--checkpoint", str(bad), "--length", "3"]):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert says in err and f"last checkpoint with finite tensors is {good}" in err and len(err.splitlines()) == 1
+    with pytest.raises(ck.CheckpointError, match="non-finite"):
+        load_trained(bad)
+    assert not (rd / "step_00000012").exists()
+    # the named one resumes, into a new run
+    assert main(["--resume", str(good), "--run_name", "branch", "--max_windows", "7"]) == 0
+
+
+def test_a_non_finite_update_state_is_refused_on_resume(tmp_path, small_text, capsys):
+    quiet(config(tmp_path, small_text, run_name="r", max_windows=4)).train()
+    poison(run_dir(tmp_path, "r") / "step_00000004", "second_moment.W_out", math.inf)
+    assert main(["--resume", "latest", "--run_name", "r", "--checkpoint_dir", str(tmp_path / "ck")]) == 2
+    assert "tensor 'second_moment.W_out'" in capsys.readouterr().err

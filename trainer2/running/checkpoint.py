@@ -430,7 +430,48 @@ def load_checked(
     check_tensors(loaded, live, path / TENSORS_FILE, optional=optional)
     check_counters(meta, path)
     check_generators(loaded, path / TENSORS_FILE)
+    check_finite(loaded, path)
     return loaded, meta
+
+
+def nonfinite_tensor(tensors: dict[str, Tensor]) -> str | None:
+    """The key of the first floating-point tensor holding a NaN or an infinity, None when all are finite. The metric
+    sums are not judged: a window whose update was dropped may leave a non-finite loss there (health.py's to judge)."""
+    for key, t in tensors.items():
+        if key != "metrics" and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return key
+    return None
+
+
+def last_finite(path: Path) -> Path | None:
+    """The newest checkpoint of `path`'s run older than `path` whose tensors are intact and finite, or None."""
+    for other in reversed([p for p in list_checkpoints(path.parent) if step_of(p) < step_of(path)]):
+        try:
+            if nonfinite_tensor(load_tensors(other, read_meta(other))) is None:
+                return other
+        except CheckpointError:
+            continue
+    return None
+
+
+def check_finite(loaded: dict[str, Tensor], path: Path) -> None:
+    """Refuse a checkpoint whose parameters (or update state, or memory bank) are not finite, naming the tensor and
+    the run's last checkpoint that is finite: a corrupt or hand-edited file whose checksum was made to match."""
+    key = nonfinite_tensor(loaded)
+    if key is None:
+        return
+    t = loaded[key]
+    bad = int((~torch.isfinite(t)).sum())
+    good = last_finite(path) if STEP_RE.fullmatch(path.name) else None
+    hint = (
+        f"the run's last checkpoint with finite tensors is {good} (resume it into a new --run_name, or remove "
+        f"{path} first)"
+        if good
+        else "the run has no older checkpoint with finite tensors"
+    )
+    raise CheckpointError(
+        f"{path / TENSORS_FILE}: tensor {key!r} holds {bad} non-finite value(s) (NaN or inf) of {t.numel()}; {hint}"
+    )
 
 
 def check_counters(meta: dict[str, Any], path: Path) -> None:
