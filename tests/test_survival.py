@@ -11,9 +11,13 @@ import math
 import os
 import shlex
 import signal
+import struct
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -247,3 +251,76 @@ def test_a_non_finite_update_state_is_refused_on_resume(tmp_path, small_text, ca
     poison(run_dir(tmp_path, "r") / "step_00000004", "second_moment.W_out", math.inf)
     assert main(["--resume", "latest", "--run_name", "r", "--checkpoint_dir", str(tmp_path / "ck")]) == 2
     assert "tensor 'second_moment.W_out'" in capsys.readouterr().err
+
+
+# --- 6, 7. a file a user names is opened only if it is a regular file; every message names the file ---
+
+
+@contextmanager
+def unblocking(fifo: Path) -> Iterator[None]:
+    """If a reader blocks on `fifo` for 30 s (the bug), end its read with EOF: the test fails instead of hanging."""
+
+    def release() -> None:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a waiting reader gets EOF
+        except OSError:
+            pass  # nobody is reading
+
+    timer = threading.Timer(30.0, release)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+@pytest.mark.parametrize("where", ["plot's telemetry.jsonl", "a resumed run's telemetry.jsonl", ".run", "meta.json"])
+def test_a_fifo_where_a_file_is_read_is_refused_naming_it(tmp_path, small_text, capsys, where):
+    quiet(config(tmp_path, small_text, run_name="r", max_windows=3)).train()
+    rd = run_dir(tmp_path, "r")
+    fifo = {".run": rd / ".run", "meta.json": rd / "step_00000003" / ck.META_FILE}.get(where, rd / "telemetry.jsonl")
+    fifo.unlink()
+    os.mkfifo(fifo)
+    resume = ["--resume", "latest", "--run_name", "r", "--checkpoint_dir", str(tmp_path / "ck"), "--max_windows", "5"]
+    argv = {
+        "plot's telemetry.jsonl": ["plot", str(rd)],
+        "meta.json": ["evaluate", "--checkpoint", str(rd / "step_00000003")],
+    }.get(where, resume)
+    capsys.readouterr()
+    with unblocking(fifo):
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(fifo) in err and "FIFO" in err and len(err.splitlines()) == 1, err
+
+
+def cifar_dir(tmp_path: Path, batch: bytes | None) -> Path:
+    """A CIFAR-10 directory whose data_batch_1 holds `batch`, or is a FIFO (None)."""
+    d = tmp_path / "cifar"
+    d.mkdir()
+    if batch is None:
+        os.mkfifo(d / "data_batch_1")
+    else:
+        (d / "data_batch_1").write_bytes(batch)
+    return d
+
+
+@pytest.mark.parametrize(
+    "batch, says",
+    [
+        (None, "is not a regular file (a FIFO)"),
+        (b"\x80\x04\x8e" + struct.pack("<Q", 2**60) + b"xx", "declares an object too large to allocate"),  # BINBYTES8
+    ],
+)
+def test_a_cifar_batch_that_is_a_fifo_or_declares_a_huge_length_is_refused_naming_it(tmp_path, capsys, batch, says):
+    d = cifar_dir(tmp_path, batch)
+    with unblocking(d / "data_batch_1"):
+        assert main(["--data", str(d), "--checkpoint_dir", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert f"{d / 'data_batch_1'}: cannot read as a CIFAR-10 python batch" in err and says in err, err
+
+
+def test_empty_data_and_a_missing_checkpoint_directory_say_so(tmp_path, capsys):
+    assert main(["--data", "", "--checkpoint_dir", str(tmp_path / "ck")]) == 2
+    assert "--data: empty" in capsys.readouterr().err
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "nowhere")]) == 2
+    assert f"checkpoint {tmp_path / 'nowhere'}: no such directory" in capsys.readouterr().err

@@ -31,7 +31,7 @@ from trainer2.running.checkpoint import CheckpointError, read_meta
 from trainer2.running.distributed import Distributed, DistributedError, init_distributed, rank_label
 from trainer2.running.health import Diverged
 from trainer2.running.resume import fresh_layers, fresh_run_guard, resume_config, resume_layers, resume_target
-from trainer2.running.rundir import RunDirError, RunLock, refuse_links_in, remove_orphans
+from trainer2.running.rundir import RunDirError, RunLock, refuse_planted, remove_orphans
 from trainer2.running.signals import exit_code
 
 EXIT_REFUSED, EXIT_DIVERGED, EXIT_IOERR = 2, 3, 74  # 74: EX_IOERR of sysexits.h
@@ -101,7 +101,7 @@ def cmd_train(argv: list[str]) -> int:
     ).is_main  # under torchrun only rank 0 writes, so only it owns the directory
     with RunLock(run_dir) if writer else nullcontext():  # held until the run ends: a second run here is refused
         if writer:
-            refuse_links_in(run_dir)
+            refuse_planted(run_dir)
         if args.resume:
             cfg, path = resume_config(args.resume, layers, run_dir)
         elif writer:

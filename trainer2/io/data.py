@@ -101,6 +101,8 @@ def load_dataset(path: str | None, context_len: int, heldout_fraction: float = 0
     (trainer2.io.image_data); anything else -> a UTF-8 text file."""
     if not 0.0 < heldout_fraction < 1.0:
         raise DataError(f"{path or BUILTIN_SOURCE}: heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    if not (path is None or path.strip()):  # Path("") is the current directory
+        raise DataError("--data: empty; expected a data file or directory (drop --data for the built-in corpus)")
     if path is None:
         text = _builtin_text()
         return _text_dataset(lambda: iter([text]), BUILTIN_SOURCE, context_len, heldout_fraction)

@@ -1,11 +1,14 @@
 """Writes that never go through a symbolic link the run did not make: a link planted in a run directory (as
-.lock, a temporary file, config.yaml) would otherwise make the run truncate or rewrite the file it points to."""
+.lock, a temporary file, config.yaml) would otherwise make the run truncate or rewrite the file it points to. And
+reads that open only regular files: a FIFO would block the read forever, a device (/dev/zero) never end it."""
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
+from typing import BinaryIO
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; elsewhere links are not checked
 
@@ -56,3 +59,26 @@ def write_replace(path: Path, data: bytes) -> None:
         if os.path.lexists(tmp):
             os.unlink(tmp)
         raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def not_regular(mode: int) -> str | None:
+    """What a file of this st_mode is when it is no regular file ('a directory', 'a FIFO', ...); None for a regular
+    file."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
+def open_regular(path: Path | str) -> BinaryIO:
+    """`path` opened for binary reading if it is a regular file; anything else is refused without being opened, as an
+    OSError whose strerror says what it is ('is not a regular file (a FIFO)')."""
+    kind = not_regular(os.stat(path).st_mode)
+    if kind is None:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO swapped in since the stat must not block either
+        kind = not_regular(os.fstat(fd).st_mode)
+        if kind is None:
+            return os.fdopen(fd, "rb")
+        os.close(fd)
+    raise OSError(errno.EINVAL, f"is not a regular file ({kind})", str(path))

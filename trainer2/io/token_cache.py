@@ -43,6 +43,7 @@ from trainer2.io.data import (
     token_dtype,
 )
 from trainer2.io.image_data import TORCHVISION_PREFIX
+from trainer2.io.safeio import open_regular
 
 MAGIC = b"TRAINER2-TOKENS\0"
 VERSION = 1
@@ -97,7 +98,7 @@ def read_cache(path: Path, source: dict[str, Any]) -> CacheFile | None:
     """The cache at `path` if it is whole, ours and of this `source` fingerprint; None when absent; a DataError
     saying why when it exists but must not be used (corrupt, foreign, stale)."""
     try:
-        f = open(path, "rb")
+        f = open_regular(path)  # a FIFO would block the read forever
     except FileNotFoundError:
         return None
     except OSError as e:

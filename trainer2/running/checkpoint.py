@@ -26,7 +26,7 @@ from torch import Tensor
 
 from trainer2.config import TrainConfig, short_repr, upgrade_legacy
 from trainer2.io import strictjson
-from trainer2.io.safeio import refuse_links
+from trainer2.io.safeio import not_regular, open_regular, refuse_links
 
 if TYPE_CHECKING:
     from trainer2.io.data import Dataset
@@ -200,7 +200,8 @@ def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, A
 def recorded_run(path: Path) -> str | None:
     """The run id a checkpoint's sidecar records (None: unreadable, or written before runs had ids)."""
     try:
-        rid = json.loads((path / META_FILE).read_text(encoding="utf-8")).get("run_id")
+        with open_regular(path / META_FILE) as f:
+            rid = json.loads(f.read().decode("utf-8")).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
     return rid if isinstance(rid, str) else None
@@ -222,12 +223,20 @@ def prune(run_dir: Path, keep_last: int, run_id: str) -> list[Path]:
 def read_meta(path: Path) -> dict[str, Any]:
     """The validated sidecar of a checkpoint directory."""
     file = path / META_FILE
-    if not file.is_file():
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "no such directory"
+        raise CheckpointError(f"checkpoint {path}: {what}; expected a step_<N>/ checkpoint directory")
+    try:
+        with open_regular(file) as f:
+            raw = f.read()
+    except FileNotFoundError:
         raise CheckpointError(
             f"checkpoint {path}: missing {META_FILE} (the sidecar); the save did not finish or the file was removed"
-        )
+        ) from None
+    except OSError as e:
+        raise CheckpointError(f"{file}: {e.strerror}; expected the checkpoint's JSON sidecar") from None
     try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
+        meta = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not valid JSON ({e}); the sidecar is corrupt") from None
     if not isinstance(meta, dict):
@@ -307,8 +316,11 @@ def check_generators(loaded: dict[str, Tensor], file: Path) -> None:
 def load_tensors(path: Path, meta: dict[str, Any]) -> dict[str, Tensor]:
     """The tensor file, checked against the size and sha256 recorded in the sidecar."""
     file, want = path / TENSORS_FILE, meta["tensors"]
-    if not file.is_file():
+    if not file.exists():
         raise CheckpointError(f"checkpoint {path}: missing {TENSORS_FILE}; the checkpoint is partial")
+    kind = not_regular(file.stat().st_mode)
+    if kind is not None:
+        raise CheckpointError(f"{file}: is not a regular file ({kind}); expected the checkpoint's tensors")
     size = file.stat().st_size
     if size != want["bytes"]:
         raise CheckpointError(

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainer2.io.safeio import NOFOLLOW, write_replace
+from trainer2.io.safeio import NOFOLLOW, not_regular, open_regular, write_replace
 from trainer2.io.telemetry import CONFIG_FILE, TELEMETRY_FILE
 from trainer2.running.checkpoint import META_FILE, STEP_RE, TMP_PREFIX, list_checkpoints
 
@@ -55,7 +55,8 @@ def run_files(run_dir: Path) -> list[str]:
 def owner(run_dir: Path) -> str | None:
     """The run id recorded in run_dir/.run; None when there is none (a new directory, or a run of older trainer2)."""
     try:
-        rid = json.loads((run_dir / OWNER_FILE).read_text(encoding="utf-8")).get("run_id")
+        with open_regular(run_dir / OWNER_FILE) as f:
+            rid = json.loads(f.read().decode("utf-8")).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
     return rid if isinstance(rid, str) else None
@@ -84,8 +85,11 @@ def fresh_name(checkpoint_dir: Path, prefix: str) -> str:
 def ours(run_dir: Path) -> bool:
     """Whether run_dir's lock records this torchrun job (TORCHELASTIC_RUN_ID, unique with --standalone)."""
     job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if job is None:
+        return False
     try:
-        return job is not None and json.loads((run_dir / LOCK_FILE).read_text()).get("job") == job
+        with open_regular(run_dir / LOCK_FILE) as f:
+            return json.loads(f.read().decode("utf-8")).get("job") == job
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -177,15 +181,20 @@ class RunLock:
                 pass
 
 
-def refuse_links_in(run_dir: Path) -> None:
-    """Refuse a run directory holding a symbolic link (a run never makes one: its checkpoints, telemetry or summary
-    would be written wherever it points); leftover temporary names are exempt, since they are removed, not opened."""
+def refuse_planted(run_dir: Path) -> None:
+    """Refuse a run directory holding a symbolic link, a FIFO, a socket or a device: a run makes none of them, and its
+    checkpoints, telemetry or summary would be written wherever a link points, or wait forever on a FIFO. Leftover
+    temporary names are exempt: they are removed, never opened."""
     for p in sorted(run_dir.iterdir()) if run_dir.is_dir() else ():
-        temporary = p.name.startswith(TMP_PREFIX) or (p.name.startswith(".") and p.name.endswith(".tmp"))
-        if p.is_symlink() and not temporary:
+        if p.name.startswith(TMP_PREFIX) or (p.name.startswith(".") and p.name.endswith(".tmp")):
+            continue
+        if p.is_symlink():
             raise RunDirError(
                 f"{p} is a symbolic link (to {os.readlink(p)}); a run writes only files it made itself: remove the link"
             )
+        kind = not_regular(p.stat().st_mode)
+        if kind not in (None, "a directory"):
+            raise RunDirError(f"{p} is {kind}, not a file a run writes; remove it")
 
 
 def describe_holder(text: str) -> str:
