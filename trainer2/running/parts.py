@@ -66,7 +66,7 @@ def build_parts(
             f"augment_shift: {cfg.augment_shift} moves images, but the data ({data.source}) is {data.kind}, not "
             "images; use --augment_shift 0"
         )
-    check_sizes(cfg, data.num_classes, data.input_dim, text, data.num_examples("train"), world, device)
+    check_sizes(cfg, data, world, device)
     machine = build_machine(cfg, data.num_classes, data.input_dim, text, device, data.input_shape)
     rows = cfg.batch_size if batch is None else batch
     memory = (

@@ -22,6 +22,15 @@ class Coupling(Protocol):
     below_shape: tuple[int, ...]
     above_shape: tuple[int, ...]
 
+    @staticmethod
+    def param_count(below: tuple[int, ...], spec: object) -> int:
+        """How many numbers a coupling of this spec learns above a layer of shape `below` (before it is built)."""
+
+    @staticmethod
+    def workspace_bytes(below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:
+        """Bytes its operations (pulls, EP statistic) allocate beyond the workspace at their peak, over `rows` rows of
+        `itemsize`-byte numbers: trainer2.io.sizes adds it to the workspace before anything is built."""
+
     def parameters(self) -> dict[str, Tensor]:
         """Its learned tensors by name, in the one parameter order."""
 

@@ -37,6 +37,19 @@ class Dense:
         return (spec,)
 
     @staticmethod
+    def param_count(below: tuple[int, ...], spec: object) -> int:
+        """Numbers learned above a layer of shape `below`: W (N, prod(below)) and b (N,)."""
+        (size,) = Dense.spec_size(spec)
+        return size * math.prod(below) + size
+
+    @staticmethod
+    def workspace_bytes(below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:
+        """Bytes allocated beyond the workspace at the peak of its operations over `rows` rows: the pulls write into
+        the workspace; the EP statistic forms W-sized products (two at once) and an (rows, N) difference."""
+        (size,) = Dense.spec_size(spec)
+        return itemsize * (2 * size * math.prod(below) + rows * size)
+
+    @staticmethod
     def init(
         name: str, below: tuple[int, ...], spec: object, scale: float, gen: torch.Generator, dtype: torch.dtype
     ) -> "Dense":
