@@ -161,7 +161,9 @@ def read_idx(path: Path) -> np.ndarray:
             if size > MAX_IDX_BYTES:
                 raise DataError(f"{path}: the IDX header claims {size} bytes of data; refusing (corrupt file?)")
             raw = f.read(size + 1)
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except OSError as e:  # gzip.BadGzipFile too
+        raise DataError(f"{path}: cannot read as an IDX file ({e.strerror or e})") from None
+    except EOFError as e:
         raise DataError(f"{path}: cannot read as an IDX file ({e})") from None
     if len(raw) != size:
         raise DataError(
@@ -190,7 +192,9 @@ def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
             f"{path}: cannot read as a CIFAR-10 python batch (it declares an object too large to allocate; "
             "corrupt or hostile)"
         ) from None
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError) as e:
+    except OSError as e:  # its strerror, without the errno and the path said already
+        raise DataError(f"{path}: cannot read as a CIFAR-10 python batch ({e.strerror or e})") from None
+    except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError) as e:
         raise DataError(f"{path}: cannot read as a CIFAR-10 python batch ({e})") from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise DataError(f"{path}: not a CIFAR-10 batch (expected a dict with b'data' and b'labels')")
