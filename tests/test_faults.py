@@ -236,7 +236,7 @@ def test_a_second_run_on_a_run_directory_is_refused_naming_the_holder_until_it_d
         == 0
     )
     assert ck.find_latest(rd).name == ck.step_name(newest + 2)
-    assert not (rd / LOCK_FILE).exists()  # the killed holder's lock was taken over, and removed on release
+    assert json.loads((rd / LOCK_FILE).read_text())["pid"] == os.getpid()  # the stale holder was replaced
 
 
 def test_the_lock_is_exclusive_between_two_holders_and_released(tmp_path):

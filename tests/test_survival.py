@@ -203,12 +203,15 @@ def test_a_write_through_a_link_planted_mid_run_is_refused(tmp_path, small_text)
     assert untouched(target)
 
 
-def test_the_lock_file_goes_with_its_run(tmp_path, small_text):
+def test_a_refused_start_leaves_no_lock_file(tmp_path, small_text):
     rd = run_dir(tmp_path, "r")
     assert main(flags(tmp_path, small_text, run_name="r", max_windows=3)) == 0
-    assert not (rd / LOCK_FILE).exists()
+    (rd / LOCK_FILE).unlink()  # as a run of a version that did not write one
     assert main(flags(tmp_path, small_text, run_name="r", max_windows=3)) == 2  # refused: the run has files
-    assert not (rd / LOCK_FILE).exists()
+    assert not os.path.lexists(rd / LOCK_FILE)
+    assert main(flags(tmp_path, small_text, run_name="fresh", max_windows=-3)) == 2  # refused before the lock
+    assert main([*flags(tmp_path, small_text, run_name="new"), "--batch_size", "100000"]) == 2  # refused under it
+    assert not run_dir(tmp_path, "new").exists()
 
 
 # --- 4. non-finite tensors in a checkpoint whose checksum matches are refused at load ---

@@ -108,14 +108,14 @@ def newest_run(checkpoint_dir: Path) -> Path | None:
 class RunLock:
     """An exclusive lock on a run directory (flock on <run_dir>/.lock, which records the holder's pid and host).
 
-    The kernel releases a flock when its process dies, so the lock of a killed run is never stale. The lock file
-    is removed on release (a killed run's stays, harmless), and so is a run directory this lock created and left
-    empty. A run directory that is a symbolic link is refused."""
+    The kernel releases a flock when its process dies, so the lock of a killed run is never stale. A start that
+    fails leaves neither the lock file it made nor a run directory it created empty. A run directory that is a
+    symbolic link is refused."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.path = run_dir, run_dir / LOCK_FILE
         self.fd: int | None = None
-        self.created = False
+        self.created = self.made = False
 
     def __enter__(self) -> "RunLock":
         if self.run_dir.is_symlink():  # its files would land wherever the link points, outside checkpoint_dir
@@ -129,6 +129,7 @@ class RunLock:
             return self
         while self.fd is None:
             self.run_dir.mkdir(parents=True, exist_ok=True)  # again: a releasing holder may have just removed it
+            made = not os.path.lexists(self.path)
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
             except OSError as e:
@@ -153,28 +154,31 @@ class RunLock:
             if not same:  # the file was removed by a holder releasing an empty directory: lock the new one
                 os.close(fd)
                 continue
-            os.ftruncate(fd, 0)
-            os.write(
-                fd,
-                json.dumps(
-                    {
-                        "pid": os.getpid(),
-                        "host": socket.gethostname(),
-                        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                        "job": os.environ.get("TORCHELASTIC_RUN_ID"),
-                    }
-                ).encode()
-                + b"\n",
-            )
-            self.fd = fd
+            self.fd, self.made = fd, made
+            holder = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "job": os.environ.get("TORCHELASTIC_RUN_ID"),
+            }
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps(holder).encode() + b"\n")
+            except OSError as e:  # a full disk: a new lock file needs a block of its own
+                self.__exit__(OSError)
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, failed: type[BaseException] | None = None, *exc: object) -> None:
+        """Release the lock. A lock file this start made goes again when the start failed (a refusal, an error), and
+        so does a run directory it created and left empty; a run that ran keeps its lock file, as a killed one does."""
+        empty = self.created and self.run_dir.is_dir() and {p.name for p in self.run_dir.iterdir()} <= {LOCK_FILE}
         if self.fd is not None:
-            self.path.unlink(missing_ok=True)  # while still held: a waiting opener sees another inode and retries
+            if self.made and (failed is not None or empty):
+                self.path.unlink(missing_ok=True)  # while still held: a waiting opener sees another inode and retries
             os.close(self.fd)  # releases the flock
             self.fd = None
-        if self.created:  # nothing was written (the start failed): leave no empty run behind
+        if empty:
             try:
                 self.run_dir.rmdir()
             except OSError:
