@@ -430,7 +430,7 @@ def main() -> int:
     assert ref_proc.wait() == 0, "the reference run failed"
     ref = root / "ck" / "reference"
     results = {
-        "preemption (SIGTERM/SIGINT)": preemption(runs, ref, args.windows, args.interrupts, rng),
+        "preemption (SIGTERM, SIGINT, SIGUSR1, SIGUSR2)": preemption(runs, ref, args.windows, args.interrupts, rng),
         "kill -9 / double SIGTERM": kills(runs, ref, args.windows, args.kills, rng),
         "full disk": full_disk(runs, ref, args.windows),
         "second run on a busy directory": contention(runs),

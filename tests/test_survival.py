@@ -25,8 +25,10 @@ from safetensors.torch import load_file, save_file
 from test_checkpoint import assert_same_checkpoint, config, flags, quiet, run_dir
 
 from trainer2.cli import main
+from trainer2.config import TrainConfig
 from trainer2.io import console
 from trainer2.io.safeio import write_replace
+from trainer2.io.telemetry import Telemetry
 from trainer2.learning.gradients import ep_gradients
 from trainer2.running import checkpoint as ck
 from trainer2.running.evaluation import load_trained
@@ -327,3 +329,10 @@ def test_empty_data_and_a_missing_checkpoint_directory_say_so(tmp_path, capsys):
     assert "--data: empty" in capsys.readouterr().err
     assert main(["evaluate", "--checkpoint", str(tmp_path / "nowhere")]) == 2
     assert f"checkpoint {tmp_path / 'nowhere'}: no such directory" in capsys.readouterr().err
+
+
+def test_telemetry_is_never_appended_to_a_fifo(tmp_path):
+    """Under the command line refuse_planted stops this at the start; a Trainer used as a library must not hang."""
+    os.mkfifo(tmp_path / "telemetry.jsonl")
+    with unblocking(tmp_path / "telemetry.jsonl"), pytest.raises(OSError, match=r"is not a regular file \(a FIFO\)"):
+        Telemetry(tmp_path, TrainConfig(), None)

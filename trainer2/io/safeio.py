@@ -28,13 +28,21 @@ def refuse_links(*paths: Path) -> None:
 
 
 def nofollow_open(path: str, flags: int) -> int:
-    """An `opener` for open(): the file descriptor, refusing a symbolic link as the last component."""
+    """An `opener` for open(): the file descriptor, refusing a symbolic link as the last component, and anything that
+    is no regular file (opened non-blocking, so a FIFO cannot hold the run)."""
     try:
-        return os.open(path, flags | NOFOLLOW, 0o644)
+        fd = os.open(path, flags | NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise link_refused(path) from None
+        if e.errno == errno.ENXIO:  # a FIFO nobody reads
+            raise OSError(errno.EINVAL, "is not a regular file (a FIFO)", str(path)) from None
         raise
+    kind = not_regular(os.fstat(fd).st_mode)
+    if kind is not None:
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"is not a regular file ({kind})", str(path))
+    return fd
 
 
 def write_replace(path: Path, data: bytes) -> None:
