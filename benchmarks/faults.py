@@ -207,8 +207,9 @@ def kills(runs: Runs, ref: Path, windows: int, count: int, rng: random.Random) -
 
 
 def full_disk(runs: Runs, ref: Path, windows: int) -> dict:
-    """The checkpoint directory on a tmpfs too small for the run: the save fails, then (after resizing) a
-    telemetry write fails on a filled disk; each time the run is resumed on more space."""
+    """The checkpoint directory on a tmpfs too small for the run: the save fails, then (after resizing) a write fails
+    on a filled disk (the resumed run's first: its lock file, since a run that fails removes the one it made; a
+    telemetry append where a lock file is left); each time the run is resumed on more space."""
     if os.geteuid() != 0:
         return {"skipped": "needs root to mount a tmpfs"}
     mnt = runs.root / "tmpfs"
