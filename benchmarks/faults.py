@@ -1,12 +1,14 @@
-"""Fault injection on real `python main.py` runs: preemption, kills, a full disk, concurrent runs, resuming into
-another run, divergence.
+"""Fault injection on real `python main.py` runs: preemption (SIGTERM, SIGINT, SIGUSR1, SIGUSR2), kills, a terminal
+that goes away, a full disk, concurrent runs, resuming into another run, a symlinked run directory, a checkpoint with
+non-finite parameters, divergence.
 
     python -m benchmarks.faults [--windows 2000] [--interrupts 8] [--kills 9] [--seed 0] [--out DIR]
 
 Each scenario that ends in a finished run is checked against one uninterrupted run of the same config: the
 final checkpoint's tensors must be bitwise equal and telemetry.jsonl must hold the same rows (wall-clock
 figures aside), each window once. Prints one line per scenario and a JSON summary (faults injected and
-survived, windows redone, bytes lost). The full-disk scenario mounts a small tmpfs, so it runs only as root.
+survived, windows redone, checkpoints and bytes lost). The full-disk scenario mounts a small tmpfs, so it runs only
+as root.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -103,8 +106,19 @@ def resume_line(err: str) -> list[str] | None:
     return found[0].split("resume with: ", 1)[1].split()[2:] if len(found) == 1 else None
 
 
+def summary_command(run_dir: Path) -> list[str] | None:
+    """The resume command a stopped run wrote into its summary.json (for when its terminal is gone), after `python
+    main.py`."""
+    try:
+        command = json.loads((run_dir / "summary.json").read_text()).get("resume_command")
+    except (OSError, ValueError):
+        return None
+    return shlex.split(command)[2:] if isinstance(command, str) else None
+
+
 def preemption(runs: Runs, ref: Path, windows: int, count: int, rng: random.Random) -> dict:
-    """SIGTERM / SIGINT at random moments, each followed by the printed resume command, until the run ends."""
+    """SIGTERM / SIGINT / SIGUSR1 / SIGUSR2 in turn at random moments, each followed by the resume command the run
+    wrote into summary.json (it must equal the printed one), until the run ends."""
     injected = survived = 0
     argv = [*runs.base, "--run_name", "pre"]
     run_dir = runs.root / "ck" / "pre"
@@ -114,14 +128,15 @@ def preemption(runs: Runs, ref: Path, windows: int, count: int, rng: random.Rand
         sig = None
         if injected < count and wait(lambda: rows(run_dir) > before, proc):
             time.sleep(rng.uniform(0.0, 1.0))
-            sig = (signal.SIGTERM, signal.SIGINT)[injected % 2]
+            sig = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)[injected % 4]
             proc.send_signal(sig)
             injected += 1
         rc = proc.wait()
         err = runs.output("err")
         finished = (run_dir / ck.step_name(windows)).is_dir()  # a signal after the last save finds nothing left to do
-        command = resume_line(err)
-        if sig is not None and "Traceback" not in err and (finished or (rc == 128 + sig and command)):
+        command = summary_command(run_dir) if rc != 0 else None
+        printed = command is not None and command == resume_line(err)
+        if sig is not None and "Traceback" not in err and (finished or (rc == 128 + sig and printed)):
             survived += 1
         if finished:
             break
@@ -190,8 +205,9 @@ def kills(runs: Runs, ref: Path, windows: int, count: int, rng: random.Random) -
 
 
 def full_disk(runs: Runs, ref: Path, windows: int) -> dict:
-    """The checkpoint directory on a tmpfs too small for the run: the save fails, then (after resizing) a
-    telemetry write fails on a filled disk; each time the run is resumed on more space."""
+    """The checkpoint directory on a tmpfs too small for the run: the save fails, then (after resizing) a write fails
+    on a filled disk (the resumed run's first: its lock file, since a run that fails removes the one it made; a
+    telemetry append where a lock file is left); each time the run is resumed on more space."""
     if os.geteuid() != 0:
         return {"skipped": "needs root to mount a tmpfs"}
     mnt = runs.root / "tmpfs"
@@ -305,6 +321,79 @@ def foreign_resume(runs: Runs, ref: Path, windows: int) -> dict:
     }
 
 
+def terminal_lost(runs: Runs, ref: Path, windows: int) -> dict:
+    """The run's terminal goes away: stdout and stderr on one pipe whose reader leaves after the first line (`2>&1 |
+    head -1`, an SSH connection that drops), and stderr on /dev/full with stdout closed. Each run must finish: exit
+    0, every checkpoint, summary.json, bitwise equal to the reference."""
+    env = {k: v for k, v in runs.env.items() if k != "TQDM_DISABLE"}  # the progress bar writes to stderr
+    results = []
+    for how in ("one pipe closed after the first line", "stderr on /dev/full, stdout closed"):
+        run_dir = runs.root / "ck" / f"lost{len(results)}"
+        cmd = [sys.executable, "main.py", *runs.base, "--run_name", run_dir.name, "--save_every_windows", "50"]
+        cmd += ["--checkpoint_dir", str(runs.root / "ck")]
+        if how.startswith("one pipe"):
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            proc.stdout.readline()
+            proc.stdout.close()
+        else:
+            with open("/dev/full", "w") as full:
+                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=full, preexec_fn=lambda: os.close(1))
+        rc = proc.wait()
+        saved = [ck.step_of(p) for p in ck.list_checkpoints(run_dir)]
+        expected = sorted({*range(50, windows + 1, 50), windows})[-3:]  # keep_last 3
+        equal = rc == 0 and (run_dir / "summary.json").is_file() and same_run(ref, run_dir, windows)[0]
+        results.append({"fault": how, "exit": rc, "checkpoints_lost": len(set(expected) - set(saved)), "ok": equal})
+    return {
+        "injected": len(results),
+        "survived": sum(r["ok"] and not r["checkpoints_lost"] for r in results),
+        "checkpoints_lost": sum(r["checkpoints_lost"] for r in results),
+        "events": results,
+    }
+
+
+def linked_run_dir(runs: Runs) -> dict:
+    """A run directory that is a symlink to a directory elsewhere: refused (exit 2, one line naming it), nothing
+    written where it points."""
+    elsewhere = runs.root / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, runs.root / "ck" / "linked")
+    proc = runs.start(*runs.base, "--run_name", "linked")
+    rc = proc.wait()
+    err = runs.output("err").strip().splitlines()
+    ok = rc == 2 and len(err) == 1 and "is a symbolic link" in err[0] and not any(elsewhere.iterdir())
+    return {"injected": 1, "survived": int(ok), "exit": rc, "message": err[-1] if err else ""}
+
+
+def nonfinite_checkpoint(runs: Runs, ref: Path, windows: int) -> dict:
+    """A run's newest checkpoint holds a NaN parameter and a matching sha256 (a corrupt disk or a bad copy): resuming
+    it is refused (exit 2) naming the tensor and the run's last finite checkpoint, evaluating it too; that checkpoint,
+    resumed into a new run, finishes bitwise equal to the reference."""
+    from safetensors.torch import save_file
+
+    quarter = windows // 4
+    argv = [*runs.base, "--run_name", "nf", "--save_every_windows", str(quarter), "--keep_last", "4"]
+    assert runs.start(*argv).wait() == 0, runs.output("err")
+    run_dir = runs.root / "ck" / "nf"
+    last, good = run_dir / ck.step_name(windows), run_dir / ck.step_name(windows - quarter)
+    tensors = load_file(str(last / ck.TENSORS_FILE))
+    tensors["param.W_1"].view(-1)[0] = float("nan")
+    save_file(tensors, str(last / ck.TENSORS_FILE))
+    meta = json.loads((last / ck.META_FILE).read_text())
+    meta["tensors"].update(bytes=(last / ck.TENSORS_FILE).stat().st_size, sha256=ck._sha256(last / ck.TENSORS_FILE))
+    (last / ck.META_FILE).write_text(json.dumps(meta))
+    refused = []
+    ckdir = ["--checkpoint_dir", str(runs.root / "ck")]
+    for argv in (["--resume", "latest", "--run_name", "nf", *ckdir], ["evaluate", "--checkpoint", str(last)]):
+        out = subprocess.run([sys.executable, "main.py", *argv], cwd=REPO, env=runs.env, capture_output=True, text=True)
+        err = out.stderr.strip().splitlines()
+        refused.append(out.returncode == 2 and len(err) == 1 and "param.W_1" in err[0] and str(good) in err[0])
+    rc = runs.start("--resume", str(good), "--run_name", "nf2").wait()
+    branch = runs.root / "ck" / "nf2" / ck.step_name(windows)
+    ta, tb = load_file(str(ref / ck.step_name(windows) / ck.TENSORS_FILE)), load_file(str(branch / ck.TENSORS_FILE))
+    equal = rc == 0 and sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    return {"injected": 2, "survived": sum(refused) if equal else 0, "refused": refused, "branch_bitwise_equal": equal}
+
+
 def divergence(runs: Runs) -> dict:
     """A learning rule that blows up (momentum, lr 1, weight decay 10): exit 3, summary.json says so in strict JSON."""
     proc = runs.start(
@@ -340,11 +429,14 @@ def main() -> int:
     assert ref_proc.wait() == 0, "the reference run failed"
     ref = root / "ck" / "reference"
     results = {
-        "preemption (SIGTERM/SIGINT)": preemption(runs, ref, args.windows, args.interrupts, rng),
+        "preemption (SIGTERM, SIGINT, SIGUSR1, SIGUSR2)": preemption(runs, ref, args.windows, args.interrupts, rng),
         "kill -9 / double SIGTERM": kills(runs, ref, args.windows, args.kills, rng),
         "full disk": full_disk(runs, ref, args.windows),
         "second run on a busy directory": contention(runs),
         "resume into another run": foreign_resume(runs, ref, args.windows),
+        "terminal lost (stdout, stderr)": terminal_lost(runs, ref, args.windows),
+        "symlinked run directory": linked_run_dir(runs),
+        "checkpoint with non-finite parameters": nonfinite_checkpoint(runs, ref, args.windows),
         "divergence": divergence(runs),
     }
     for name, r in results.items():
@@ -353,7 +445,13 @@ def main() -> int:
             + (f" ({r['skipped']})" if "skipped" in r else "")
         )
     total = sum(r.get("injected", 0) for r in results.values()), sum(r.get("survived", 0) for r in results.values())
-    print(json.dumps({"faults_injected": total[0], "faults_survived": total[1], "scenarios": results}, indent=1))
+    lost = sum(r.get("checkpoints_lost", 0) for r in results.values())
+    print(
+        json.dumps(
+            {"faults_injected": total[0], "faults_survived": total[1], "checkpoints_lost": lost, "scenarios": results},
+            indent=1,
+        )
+    )
     if args.out is None:
         shutil.rmtree(root, ignore_errors=True)
     return 0 if total[0] == total[1] else 1

@@ -124,11 +124,12 @@ def test_capped_max_pooling_pull_moves_no_more_than_the_cap_allows():
         ({"kernel": 3}, "needs `channels`"),
         ({"channels": 4, "kernel": 4}, "must be odd"),
         ({"channels": 4, "stride": 2}, "unknown conv key"),
-        ({"channels": 0}, "channels must be an integer >= 1"),
+        ({"channels": 0}, r"channels must be an integer in 1\.\.1048576, got 0"),
+        ({"channels": 2, "kernel": 99999999999999999999}, r"kernel must be an integer in 1\.\.1048576"),
         ({"channels": 2, "pool": True}, "pool must be an integer"),
         ({"channels": 2, "pool": 2, "pooling": "min"}, r"conv pooling must be one of \['avg', 'max'\], got 'min'"),
     ],
-    ids=["int", "no_channels", "even_kernel", "unknown_key", "zero_channels", "bool_pool", "bad_pooling"],
+    ids=["int", "no_channels", "even_kernel", "unknown_key", "zero_channels", "huge_kernel", "bool_pool", "pooling"],
 )
 def test_config_refuses_a_malformed_conv_entry(spec, error):
     with pytest.raises(ValueError, match=error):

@@ -338,22 +338,21 @@ def test_one_all_reduce_averages_drops_together_and_checksums_catch_divergence(t
 
 
 @linux_only
-@pytest.mark.parametrize("to", ["torchrun", "rank 1"])
-def test_sigterm_stops_every_rank_at_the_same_window_and_rank_0_saves(tmp_path, small_text, to):
+@pytest.mark.parametrize("to, sig", [("torchrun", "SIGTERM"), ("rank 1", "SIGTERM"), ("rank 1", "SIGUSR1")])
+def test_sigterm_stops_every_rank_at_the_same_window_and_rank_0_saves(tmp_path, small_text, to, sig):
     proc, marker, telemetry = start_long_run(tmp_path, small_text, 60.0)
     # torchrun passes a scheduler's SIGTERM on to every worker; a signal to one rank alone must stop them all too
-    os.kill(proc.pid if to == "torchrun" else rank_pid(marker, 1, time.monotonic() + 30), signal.SIGTERM)
+    # (SLURM's --signal=USR1@90 signals every process of a job step itself)
+    os.kill(proc.pid if to == "torchrun" else rank_pid(marker, 1, time.monotonic() + 30), getattr(signal, sig))
     out, _ = proc.communicate(timeout=120)
     run = tmp_path / "long"
     saved = sorted(p.name for p in run.glob("step_*"))
     assert len(saved) == 1, out[-3000:]
     stopped = int(saved[0].removeprefix("step_"))
     assert stopped % TINY["log_every_windows"] == 0  # the ranks met there and agreed to stop
-    assert summary(run)["interrupted"] == "SIGTERM" and summary(run)["windows"] == stopped
+    assert summary(run)["interrupted"] == sig and summary(run)["windows"] == stopped
     assert json.loads(telemetry.read_text().splitlines()[-1])["window"] == stopped
-    assert (
-        f"trainer2: stopped by SIGTERM after window {stopped}; resume with: torchrun [the same options] main.py" in out
-    )
+    assert f"trainer2: stopped by {sig} after window {stopped}; resume with: torchrun [the same options] main.py" in out
     assert str(ROOT / "trainer2") not in out, out[-3000:]  # no worker traceback (torchrun prints its own report)
     assert len(load_file(str(run / saved[0] / "tensors.safetensors"))) > 0
 

@@ -3,15 +3,14 @@
 Every TrainConfig field is a flag of the same name (trainer2.flags); subcommands evaluate, sample, plot and bench.
 Exit status: 0 done; 2 refused (a bad flag, config, data file or checkpoint; a run directory in use or holding
 another run; sizes that cannot fit); 3 the run diverged; 74 a file could not be written (disk full, read-only, a
-planted symlink); 129 / 130 / 131 / 143 stopped by SIGHUP / SIGINT / SIGQUIT / SIGTERM after saving a checkpoint
-(the last line printed says how to resume).
+planted symlink); 129 / 130 / 131 / 143 / 138 / 140 stopped by SIGHUP / SIGINT / SIGQUIT / SIGTERM / SIGUSR1 /
+SIGUSR2 after saving a checkpoint (the last line printed and summary.json's resume_command say how to resume).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import signal
 import sys
 import warnings
@@ -23,18 +22,18 @@ import torch
 from trainer2.data.dataset import DataError
 from trainer2.flags import add_config_flags, config_layers, none_or
 from trainer2.io import strictjson
-from trainer2.io.console import say
+from trainer2.io.console import guarded_streams, say
 from trainer2.monitor.plot import cmd_plot
 from trainer2.presets import preset_names, preset_path
 from trainer2.running.checkpoint import CheckpointError, read_meta
 from trainer2.running.distributed import DistributedError, init_distributed, rank_label
 from trainer2.running.health import Diverged
-from trainer2.running.resume import fresh_layers, resume_config, resume_layers, resume_target
+from trainer2.running.resume import fresh_layers, resume_command, resume_config, resume_layers, resume_target
 from trainer2.running.rundir import RunDirError
 from trainer2.running.signals import exit_code
 from trainer2.running.summary import done_line
 from trainer2.section import ConfigError
-from trainer2.train_config import TrainConfig, annotated_yaml, build_config, config_origins
+from trainer2.train_config import annotated_yaml, build_config, config_origins
 
 EXIT_REFUSED, EXIT_DIVERGED, EXIT_IOERR = 2, 3, 74  # 74: EX_IOERR of sysexits.h
 
@@ -100,7 +99,7 @@ def cmd_train(argv: list[str]) -> int:
         cfg = build_config(fresh_layers(layers, preset_path(args.preset).stem if args.preset else "run"))
     dist = init_distributed(cfg)  # under torchrun: this process's rank and its process group
     try:
-        run = train(cfg, resume=path, log=say if dist.is_main else quiet, dist=dist, announce_stop=False)
+        run = train(cfg, resume=path, log=say if dist.is_main else quiet, dist=dist, resume_hint=resume_command(cfg))
     except Diverged as e:
         print(f"trainer2: error{rank_label()}: {e}", file=sys.stderr)
         return EXIT_DIVERGED
@@ -112,7 +111,7 @@ def cmd_train(argv: list[str]) -> int:
     if summary["interrupted"]:
         print(
             f"trainer2: stopped by {summary['interrupted']} after window {summary['windows']}; resume with: "
-            f"{resume_command(cfg)}",
+            f"{summary['resume_command']}",
             file=sys.stderr,
         )
         return exit_code(signal.Signals[summary["interrupted"]])
@@ -123,23 +122,6 @@ def cmd_train(argv: list[str]) -> int:
 def quiet(msg: str) -> None:
     """The log of ranks other than 0: they print nothing."""
     del msg
-
-
-def resume_command(cfg: TrainConfig) -> str:
-    """The command line that continues this run, as this process was started (`python main.py`, `trainer2`)."""
-    arg0 = Path(sys.argv[0])
-    if arg0.name == "__main__.py" and arg0.parent.name == "trainer2":
-        prog = "python -m trainer2"
-    elif arg0.name == "trainer2":
-        prog = "trainer2"
-    else:
-        prog = f"python {shlex.quote(sys.argv[0]) if arg0.name == 'main.py' else 'main.py'}"
-    if "WORLD_SIZE" in os.environ:  # started by torchrun, whose options this process cannot see
-        prog = "torchrun [the same options] " + prog.removeprefix("python ")
-    line = f"{prog} --resume latest --run_name {shlex.quote(cfg.run_name)}"
-    if cfg.checkpoint_dir != TrainConfig.model_fields["checkpoint_dir"].default:
-        line += f" --checkpoint_dir {shlex.quote(cfg.checkpoint_dir)}"
-    return line
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -200,7 +182,13 @@ def show_note(
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run a command; output that goes away (a closed terminal, a broken pipe) is dropped, never fatal."""
+    with guarded_streams():
+        return run_command(list(sys.argv[1:] if argv is None else argv))
+
+
+def run_command(argv: list[str]) -> int:
+    """The command's exit status; a user's mistake is one line on stderr, never a traceback."""
     # A component named by a dotted path (--layers my_couplings.WideDense:64) comes from the user's own module: look in
     # the working directory too, as `python -m` would (a script's path starts at the script's own directory).
     if os.getcwd() not in sys.path and "" not in sys.path:

@@ -29,7 +29,17 @@ BUILTIN: dict[str, dict[str, str]] = {
 }
 # What each kind of component must provide (checked when it is resolved, so a wrong class fails with its name).
 REQUIRED: dict[str, tuple[str, ...]] = {
-    "coupling": ("spec_size", "init", "parameters", "up", "down", "ep_grads", "cap_power"),
+    "coupling": (
+        "spec_size",
+        "init",
+        "param_count",
+        "workspace_bytes",
+        "parameters",
+        "up",
+        "down",
+        "ep_grads",
+        "cap_power",
+    ),
     "data format": ("recognises", "load"),
 }
 

@@ -18,6 +18,7 @@ import torch
 
 from trainer2.data.dataset import DataError, Dataset, split_rows
 from trainer2.data.load import DataConfig
+from trainer2.io.safeio import open_regular
 
 IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 MAX_IDX_BYTES = 1 << 33  # 8 GiB: a header claiming more is a corrupt or hostile file, refused before reading
@@ -167,7 +168,7 @@ def read_mnist_dir(d: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, 
 def read_idx(path: Path) -> np.ndarray:
     """One IDX file (gzipped or not): magic 0 0 <type> <ndim>, ndim big-endian uint32 sizes, then the data."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO would block the read forever
             head = f.read(2)
         opener = gzip.open if head == b"\x1f\x8b" else open
         with opener(path, "rb") as f:
@@ -182,7 +183,9 @@ def read_idx(path: Path) -> np.ndarray:
             if size > MAX_IDX_BYTES:
                 raise DataError(f"{path}: the IDX header claims {size} bytes of data; refusing (corrupt file?)")
             raw = f.read(size + 1)
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except OSError as e:  # gzip.BadGzipFile too
+        raise DataError(f"{path}: cannot read as an IDX file ({e.strerror or e})") from None
+    except EOFError as e:
         raise DataError(f"{path}: cannot read as an IDX file ({e})") from None
     if len(raw) != size:
         raise DataError(
@@ -204,9 +207,16 @@ class _ArraysOnly(pickle.Unpickler):
 def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(x uint8 [N, 3, 32, 32], y [N]) of one CIFAR-10 python batch file (a pickled dict: b'data', b'labels')."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO would block the read forever
             batch = _ArraysOnly(f, encoding="bytes").load()
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError) as e:
+    except MemoryError:  # a length field the unpickler tried to allocate before reading
+        raise DataError(
+            f"{path}: cannot read as a CIFAR-10 python batch (it declares an object too large to allocate; "
+            "corrupt or hostile)"
+        ) from None
+    except OSError as e:  # its strerror, without the errno and the path said already
+        raise DataError(f"{path}: cannot read as a CIFAR-10 python batch ({e.strerror or e})") from None
+    except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError) as e:
         raise DataError(f"{path}: cannot read as a CIFAR-10 python batch ({e})") from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise DataError(f"{path}: not a CIFAR-10 batch (expected a dict with b'data' and b'labels')")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Protocol
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from trainer2.components import builtin_names, resolve
 from trainer2.data.dataset import DataError, Dataset
@@ -22,7 +22,6 @@ class DataConfig(Section):
 
     data: str | None = Field(
         None,
-        min_length=1,
         description=(
             "UTF-8 text file, .npz feature or image set, MNIST IDX / CIFAR-10 batches directory, or "
             "torchvision:NAME:ROOT; none = built-in pydoc corpus."
@@ -50,6 +49,13 @@ class DataConfig(Section):
         "~/.cache/trainer2/tokens when that directory is read-only), a directory, or 'off' (tokenize into memory at "
         "every start).",
     )
+
+    @field_validator("data")
+    @classmethod
+    def _data(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():  # Path("") is the current directory
+            raise ValueError("empty; expected a data file or directory (leave it out for the built-in corpus)")
+        return v
 
 
 class DataFormat(Protocol):

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from trainer2.data.dataset import DataError, Dataset, check_file
 from trainer2.data.tokens import MAX_CODEPOINT, codepoints, refuse_binary, text_split, text_split_sizes, token_dtype
+from trainer2.io.safeio import open_regular
 
 MAGIC = b"TRAINER2-TOKENS\0"
 VERSION = 1
@@ -86,7 +87,7 @@ def read_cache(path: Path, source: dict[str, Any]) -> CacheFile | None:
     """The cache at `path` if it is whole, ours and of this `source` fingerprint; None when absent; a DataError
     saying why when it exists but must not be used (corrupt, foreign, stale)."""
     try:
-        f = open(path, "rb")
+        f = open_regular(path)  # a FIFO would block the read forever
     except FileNotFoundError:
         return None
     except OSError as e:

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainer2.io.safeio import link_refused, nofollow_open, write_replace
+from trainer2.io.safeio import link_refused, nofollow_open, open_regular, write_replace
 from trainer2.train_config import TrainConfig, to_yaml
 
 TELEMETRY_FILE = "telemetry.jsonl"
@@ -84,11 +84,16 @@ def trim(path: Path, resume_window: int | None) -> int:
 
 def read_telemetry(path: Path) -> list[dict[str, Any]]:
     """Every row of a telemetry.jsonl; an unterminated last line (a torn write) is skipped, any other bad line
-    refused."""
+    refused. Only a regular file is opened (a FIFO would block plot forever)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with open_regular(path) as f:
+            text = f.read().decode("utf-8")
     except FileNotFoundError:
         raise TelemetryError(f"{path}: no such file; expected the telemetry.jsonl a training run writes") from None
+    except OSError as e:
+        raise TelemetryError(f"{path}: {e.strerror}; expected the telemetry.jsonl a training run writes") from None
+    except UnicodeDecodeError as e:
+        raise TelemetryError(f"{path}: not UTF-8 (bad byte at offset {e.start}); expected JSON lines") from None
     lines = text.split("\n")
     rows = []
     for i, line in enumerate(lines[:-1], 1):  # lines[-1] is "" after a final newline, else a torn line

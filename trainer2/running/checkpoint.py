@@ -26,6 +26,7 @@ from torch import Tensor
 
 from trainer2.data.dataset import Dataset, InputSpec
 from trainer2.io import strictjson
+from trainer2.io.safeio import not_regular, open_regular, refuse_links
 from trainer2.section import short_repr
 from trainer2.train_config import TrainConfig, upgrade_legacy
 
@@ -154,8 +155,9 @@ def _sha256(path: Path) -> str:
 
 def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, Any]) -> Path:
     """Write run_dir/step_<N>/ atomically: temp dir, fsync files and dirs, rename. Returns the new path."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / step_name(step)
+    refuse_links(run_dir, target)  # a planted link would carry the checkpoint (or the pruning) elsewhere
+    run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
     if tmp.is_symlink():  # never followed: the link goes, not what it points to
         tmp.unlink()
@@ -199,7 +201,8 @@ def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, A
 def recorded_run(path: Path) -> str | None:
     """The run id a checkpoint's sidecar records (None: unreadable, or written before runs had ids)."""
     try:
-        rid = json.loads((path / META_FILE).read_text(encoding="utf-8")).get("run_id")
+        with open_regular(path / META_FILE) as f:
+            rid = json.loads(f.read().decode("utf-8")).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
     return rid if isinstance(rid, str) else None
@@ -221,12 +224,20 @@ def prune(run_dir: Path, keep_last: int, run_id: str) -> list[Path]:
 def read_meta(path: Path) -> dict[str, Any]:
     """The validated sidecar of a checkpoint directory."""
     file = path / META_FILE
-    if not file.is_file():
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "no such directory"
+        raise CheckpointError(f"checkpoint {path}: {what}; expected a step_<N>/ checkpoint directory")
+    try:
+        with open_regular(file) as f:
+            raw = f.read()
+    except FileNotFoundError:
         raise CheckpointError(
             f"checkpoint {path}: missing {META_FILE} (the sidecar); the save did not finish or the file was removed"
-        )
+        ) from None
+    except OSError as e:
+        raise CheckpointError(f"{file}: {e.strerror}; expected the checkpoint's JSON sidecar") from None
     try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
+        meta = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not valid JSON ({e}); the sidecar is corrupt") from None
     if not isinstance(meta, dict):
@@ -306,8 +317,11 @@ def check_generators(loaded: dict[str, Tensor], file: Path) -> None:
 def load_tensors(path: Path, meta: dict[str, Any]) -> dict[str, Tensor]:
     """The tensor file, checked against the size and sha256 recorded in the sidecar."""
     file, want = path / TENSORS_FILE, meta["tensors"]
-    if not file.is_file():
+    if not file.exists():
         raise CheckpointError(f"checkpoint {path}: missing {TENSORS_FILE}; the checkpoint is partial")
+    kind = not_regular(file.stat().st_mode)
+    if kind is not None:
+        raise CheckpointError(f"{file}: is not a regular file ({kind}); expected the checkpoint's tensors")
     size = file.stat().st_size
     if size != want["bytes"]:
         raise CheckpointError(
@@ -433,7 +447,48 @@ def load_checked(
     check_tensors(loaded, live, path / TENSORS_FILE, optional=optional)
     check_counters(meta, path)
     check_generators(loaded, path / TENSORS_FILE)
+    check_finite(loaded, path)
     return loaded, meta
+
+
+def nonfinite_tensor(tensors: dict[str, Tensor]) -> str | None:
+    """The key of the first floating-point tensor holding a NaN or an infinity, None when all are finite. The metric
+    sums are not judged: a window whose update was dropped may leave a non-finite loss there (health.py's to judge)."""
+    for key, t in tensors.items():
+        if key != "metrics" and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return key
+    return None
+
+
+def last_finite(path: Path) -> Path | None:
+    """The newest checkpoint of `path`'s run older than `path` whose tensors are intact and finite, or None."""
+    for other in reversed([p for p in list_checkpoints(path.parent) if step_of(p) < step_of(path)]):
+        try:
+            if nonfinite_tensor(load_tensors(other, read_meta(other))) is None:
+                return other
+        except CheckpointError:
+            continue
+    return None
+
+
+def check_finite(loaded: dict[str, Tensor], path: Path) -> None:
+    """Refuse a checkpoint whose parameters (or update state, or memory bank) are not finite, naming the tensor and
+    the run's last checkpoint that is finite: a corrupt or hand-edited file whose checksum was made to match."""
+    key = nonfinite_tensor(loaded)
+    if key is None:
+        return
+    t = loaded[key]
+    bad = int((~torch.isfinite(t)).sum())
+    good = last_finite(path) if STEP_RE.fullmatch(path.name) else None
+    hint = (
+        f"the run's last checkpoint with finite tensors is {good} (resume it into a new --run_name, or remove "
+        f"{path} first)"
+        if good
+        else "the run has no older checkpoint with finite tensors"
+    )
+    raise CheckpointError(
+        f"{path / TENSORS_FILE}: tensor {key!r} holds {bad} non-finite value(s) (NaN or inf) of {t.numel()}; {hint}"
+    )
 
 
 def check_counters(meta: dict[str, Any], path: Path) -> None:

@@ -127,7 +127,8 @@ def load(path: str | Path, device: str | None = None, **overrides: Any) -> Model
         data = load_data(cfg.section(DataConfig))
         spec = InputSpec.of(data)
     device_ = resolve_device(cfg)
-    machine, memory = build_machine_for(cfg, spec, device_, int(meta["data"].get("num_train") or cfg.batch_size))
+    counts = (int(meta["data"].get("num_train") or cfg.batch_size), int(meta["data"].get("num_heldout") or 1))
+    machine, memory = build_machine_for(cfg, spec, device_, counts)
     live = {f"param.{k}": v for k, v in machine.named_params().items()}
     if memory is not None:
         live.update(memory.tensors())

@@ -72,7 +72,8 @@ def build_parts(
             f"augment_shift: {cfg.augment_shift} moves images, but the data ({data.source}) is {data.kind}, not "
             "images; use --augment_shift 0"
         )
-    machine, memory = build_machine_for(cfg, InputSpec.of(data), device, data.num_examples("train"), batch, world)
+    examples = (data.num_examples("train"), data.num_examples("heldout"))
+    machine, memory = build_machine_for(cfg, InputSpec.of(data), device, examples, batch, world)
     return RunParts(data, device, machine, memory)
 
 
@@ -80,13 +81,14 @@ def build_machine_for(
     cfg: TrainConfig,
     spec: InputSpec,
     device: torch.device,
-    train_examples: int,
+    examples: tuple[int, int],
     batch: int | None = None,
     world: int = 1,
 ) -> tuple[Machine, MemoryBank | None]:
     """A fresh machine for inputs like `spec` on `device`, and its memory bank for `batch` rows per write (cfg's
-    batch_size unless given), after checking that they fit the data's `train_examples` and the device's memory."""
-    check_sizes(cfg, spec.num_classes, spec.input_dim, spec.tokens, train_examples, world, device)
+    batch_size unless given), after checking that they fit the data (`examples`: its train and held-out split sizes)
+    and the device's memory."""
+    check_sizes(cfg, spec, examples, world, device)
     machine = build_machine(
         cfg.section(MachineConfig),
         spec.num_classes,

@@ -9,7 +9,10 @@ run-steering fields (checkpoint.RESUME_FREE_FIELDS) may differ from it.
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -135,3 +138,20 @@ def check_resume(path: Path, run_dir: Path) -> None:
             f"checkpoint {path} is older than {newer[-1]} of the same run; continuing here would mix "
             "two histories: pass --run_name NEW to branch off, or --resume latest"
         )
+
+
+def resume_command(cfg: TrainConfig) -> str:
+    """The command line that continues this run, as this process was started (`python main.py`, `trainer2`)."""
+    arg0 = Path(sys.argv[0])
+    if arg0.name == "__main__.py" and arg0.parent.name == "trainer2":
+        prog = "python -m trainer2"
+    elif arg0.name == "trainer2":
+        prog = "trainer2"
+    else:
+        prog = f"python {shlex.quote(sys.argv[0]) if arg0.name == 'main.py' else 'main.py'}"
+    if "WORLD_SIZE" in os.environ:  # started by torchrun, whose options this process cannot see
+        prog = "torchrun [the same options] " + prog.removeprefix("python ")
+    line = f"{prog} --resume latest --run_name {shlex.quote(cfg.run_name)}"
+    if cfg.checkpoint_dir != TrainConfig.model_fields["checkpoint_dir"].default:
+        line += f" --checkpoint_dir {shlex.quote(cfg.checkpoint_dir)}"
+    return line

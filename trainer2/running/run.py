@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from trainer2.running.checkpoint import data_fingerprint, resolve_checkpoint, st
 from trainer2.running.distributed import Distributed
 from trainer2.running.model import Model
 from trainer2.running.resume import check_resume, fresh_run_guard
-from trainer2.running.rundir import RunLock, fresh_name, remove_orphans
+from trainer2.running.rundir import RunLock, fresh_name, refuse_planted, remove_orphans
 from trainer2.running.trainer import Trainer
 from trainer2.train_config import TrainConfig
 
@@ -53,17 +52,21 @@ def train(
     gradients: GradientSource = ep_gradients,
     log: Callable[[str], None] = print,
     dist: Distributed | None = None,
-    announce_stop: bool = True,
+    resume_hint: str | None = None,
 ) -> Run:
     """Train a machine on `data` (default: the data cfg.data names) and return the Run. run_dir: where it writes
     (default: <checkpoint_dir>/<run_name>); resume: "latest" or a checkpoint directory to continue from. A stop
-    signal (Ctrl-C) saves and returns (run.summary["interrupted"] names it; with announce_stop, a line says how to
-    continue); a divergence raises trainer2.running.health.Diverged; a bad config, data or checkpoint a ValueError
-    (ConfigError, DataError, CheckpointError, RunDirError) naming it."""
+    signal (Ctrl-C) saves and returns (run.summary["interrupted"] names it, and run.summary["resume_command"] says how
+    to continue: resume_hint, the command line's own, or else the Python call, which is also logged); a divergence
+    raises trainer2.running.health.Diverged; a bad config, data or checkpoint a ValueError (ConfigError, DataError,
+    CheckpointError, RunDirError) naming it."""
     cfg = located(cfg, run_dir)
     dist = Distributed() if dist is None else dist
     target = Path(cfg.checkpoint_dir) / cfg.run_name
+    hint = resume_hint or f"trainer2.train(cfg, data, run_dir={str(target)!r}, resume='latest')"
     with RunLock(target) if dist.is_main else nullcontext():  # held until the run ends: a second run here is refused
+        if dist.is_main:
+            refuse_planted(target)  # a link, FIFO or device where the run writes: refused before anything is read
         path = None if resume is None else resolve_checkpoint(str(resume), target)
         if path is not None:
             check_resume(path, target)
@@ -72,18 +75,14 @@ def train(
         if dist.is_main:
             remove_orphans(target, log)
         check_tracking(cfg)
-        trainer = Trainer(cfg, data, gradients=gradients, log=log, dist=dist)
+        trainer = Trainer(cfg, gradients, log, dist, data=data, resume_hint=hint)
         if path is not None:
             trainer.load_checkpoint(path)
         summary = trainer.train()
     window = trainer.progress.window
     checkpoint = target / step_name(window)
-    if summary["interrupted"] and announce_stop:
-        quoted = re.sub(r"'", "\\'", str(target))
-        log(
-            f"stopped by {summary['interrupted']} after window {window}; continue with "
-            f"trainer2.train(cfg, data, run_dir='{quoted}', resume='latest')"
-        )
+    if summary["interrupted"] and resume_hint is None:  # the command line says it its own way
+        log(f"stopped by {summary['interrupted']} after window {window}; continue with {hint}")
     data = trainer.data
     model = Model(
         cfg,

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainer2.io.safeio import NOFOLLOW, write_replace
+from trainer2.io.safeio import NOFOLLOW, not_regular, open_regular, write_replace
 from trainer2.monitor.telemetry import CONFIG_FILE, TELEMETRY_FILE
 from trainer2.running.checkpoint import META_FILE, STEP_RE, TMP_PREFIX, list_checkpoints
 
@@ -55,7 +55,8 @@ def run_files(run_dir: Path) -> list[str]:
 def owner(run_dir: Path) -> str | None:
     """The run id recorded in run_dir/.run; None when there is none (a new directory, or a run of older trainer2)."""
     try:
-        rid = json.loads((run_dir / OWNER_FILE).read_text(encoding="utf-8")).get("run_id")
+        with open_regular(run_dir / OWNER_FILE) as f:
+            rid = json.loads(f.read().decode("utf-8")).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
     return rid if isinstance(rid, str) else None
@@ -84,8 +85,11 @@ def fresh_name(checkpoint_dir: Path, prefix: str) -> str:
 def ours(run_dir: Path) -> bool:
     """Whether run_dir's lock records this torchrun job (TORCHELASTIC_RUN_ID, unique with --standalone)."""
     job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if job is None:
+        return False
     try:
-        return job is not None and json.loads((run_dir / LOCK_FILE).read_text()).get("job") == job
+        with open_regular(run_dir / LOCK_FILE) as f:
+            return json.loads(f.read().decode("utf-8")).get("job") == job
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -104,21 +108,28 @@ def newest_run(checkpoint_dir: Path) -> Path | None:
 class RunLock:
     """An exclusive lock on a run directory (flock on <run_dir>/.lock, which records the holder's pid and host).
 
-    The kernel releases a flock when its process dies, so the lock of a killed run is never stale. A run
-    directory this lock created and left holding nothing but the lock file is removed again on release."""
+    The kernel releases a flock when its process dies, so the lock of a killed run is never stale. A start that
+    fails leaves neither the lock file it made nor a run directory it created empty. A run directory that is a
+    symbolic link is refused."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.path = run_dir, run_dir / LOCK_FILE
         self.fd: int | None = None
-        self.created = False
+        self.created = self.made = False
 
     def __enter__(self) -> "RunLock":
+        if self.run_dir.is_symlink():  # its files would land wherever the link points, outside checkpoint_dir
+            raise RunDirError(
+                f"run directory {self.run_dir} is a symbolic link (to {os.readlink(self.run_dir)}); a run writes only "
+                "into a directory of its own: remove the link, or pass --checkpoint_dir to write elsewhere"
+            )
         self.created = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if fcntl is None:
             return self
         while self.fd is None:
             self.run_dir.mkdir(parents=True, exist_ok=True)  # again: a releasing holder may have just removed it
+            made = not os.path.lexists(self.path)
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
             except OSError as e:
@@ -143,32 +154,51 @@ class RunLock:
             if not same:  # the file was removed by a holder releasing an empty directory: lock the new one
                 os.close(fd)
                 continue
-            os.ftruncate(fd, 0)
-            os.write(
-                fd,
-                json.dumps(
-                    {
-                        "pid": os.getpid(),
-                        "host": socket.gethostname(),
-                        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                        "job": os.environ.get("TORCHELASTIC_RUN_ID"),
-                    }
-                ).encode()
-                + b"\n",
-            )
-            self.fd = fd
+            self.fd, self.made = fd, made
+            holder = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "job": os.environ.get("TORCHELASTIC_RUN_ID"),
+            }
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps(holder).encode() + b"\n")
+            except OSError as e:  # a full disk: a new lock file needs a block of its own
+                self.__exit__(OSError)
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self.created and {p.name for p in self.run_dir.iterdir()} <= {LOCK_FILE}:
-            self.path.unlink(missing_ok=True)  # nothing was written (the start failed): leave no empty run behind
+    def __exit__(self, failed: type[BaseException] | None = None, *exc: object) -> None:
+        """Release the lock. A lock file this start made goes again when the start failed (a refusal, an error), and
+        so does a run directory it created and left empty; a run that ran keeps its lock file, as a killed one does."""
+        empty = self.created and self.run_dir.is_dir() and {p.name for p in self.run_dir.iterdir()} <= {LOCK_FILE}
+        if self.fd is not None:
+            if self.made and (failed is not None or empty):
+                self.path.unlink(missing_ok=True)  # while still held: a waiting opener sees another inode and retries
+            os.close(self.fd)  # releases the flock
+            self.fd = None
+        if empty:
             try:
                 self.run_dir.rmdir()
             except OSError:
                 pass
-        if self.fd is not None:
-            os.close(self.fd)  # releases the flock
-            self.fd = None
+
+
+def refuse_planted(run_dir: Path) -> None:
+    """Refuse a run directory holding a symbolic link, a FIFO, a socket or a device: a run makes none of them, and its
+    checkpoints, telemetry or summary would be written wherever a link points, or wait forever on a FIFO. Leftover
+    temporary names are exempt: they are removed, never opened."""
+    for p in sorted(run_dir.iterdir()) if run_dir.is_dir() else ():
+        if p.name.startswith(TMP_PREFIX) or (p.name.startswith(".") and p.name.endswith(".tmp")):
+            continue
+        if p.is_symlink():
+            raise RunDirError(
+                f"{p} is a symbolic link (to {os.readlink(p)}); a run writes only files it made itself: remove the link"
+            )
+        kind = not_regular(p.stat().st_mode)
+        if kind not in (None, "a directory"):
+            raise RunDirError(f"{p} is {kind}, not a file a run writes; remove it")
 
 
 def describe_holder(text: str) -> str:

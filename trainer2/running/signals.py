@@ -1,7 +1,8 @@
-"""A graceful stop on SIGINT, SIGTERM, SIGHUP or SIGQUIT (Ctrl-C, a scheduler's preemption, a closed terminal,
-Ctrl-backslash): the first signal asks the training loop to stop after the current window, which then saves a
-checkpoint and the summary; a second one ends the process at once. `SignalStop` is the loop's callback; under torchrun
-the ranks agree on the window to stop at."""
+"""A graceful stop on SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 or SIGUSR2 (Ctrl-C, a scheduler's preemption, a
+closed terminal, Ctrl-backslash, a cluster's warning before it preempts): the first signal asks the training loop to
+stop after the current window, which then saves a checkpoint and the summary (with the command that continues the
+run); a second one ends the process at once. `SignalStop` is the loop's callback; under torchrun the ranks agree on the
+window to stop at."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from torch import Tensor
 from trainer2.callbacks import LoopState, Stop
 
 # SIGHUP: the terminal closed; SIGQUIT: Ctrl-backslash, whose default (a core dump) would lose the work since the last
-# checkpoint.
+# checkpoint; SIGUSR1 / SIGUSR2: what SLURM (--signal=USR1@90) and other schedulers send ahead of a preemption, whose
+# default ends the process unsaved.
 STOP_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+    if hasattr(signal, name)
 )
 
 
@@ -56,7 +60,8 @@ class StopSignals:
 
 
 def exit_code(sig: signal.Signals) -> int:
-    """The shell's status for a process ended by `sig`: 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
+    """The shell's status for a process ended by `sig`: 128 + its number (130 for SIGINT, 143 for SIGTERM, 138 for
+    SIGUSR1 on Linux)."""
     return 128 + int(sig)
 
 

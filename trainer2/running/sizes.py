@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from trainer2.components import resolve
+from trainer2.data.dataset import InputSpec
 from trainer2.io.memory import available_bytes
+from trainer2.physics.energy import layer_shapes
 from trainer2.train_config import ConfigError, TrainConfig
 
 GIB = 2**30
@@ -27,72 +29,82 @@ class Need:
     bytes: float
 
 
-def needs(cfg: TrainConfig, num_classes: int, input_dim: int, text: bool) -> list[Need]:
-    """Estimated bytes of the large allocations of a run (parameters and update state, relaxation workspaces, memory
-    bank, rotor schedule): a lower bound to within a small factor, not an exact count."""
+def chain(cfg: TrainConfig, input_shape: tuple[int, ...]) -> list[tuple[type, object, tuple[int, ...]]]:
+    """(coupling kind, spec, shape of the layer below) of every coupling, the dense one into q last; a layer that
+    cannot sit on the one below is a ConfigError naming it."""
+    try:
+        hidden = layer_shapes(input_shape, cfg.layers)
+    except ValueError as e:
+        raise ConfigError(f"layers: {e}") from None
+    belows = [input_shape, *(shape for _, _, shape in hidden)]
+    specs = [(kind, spec) for kind, spec, _ in hidden] + [("dense", cfg.coord_dim_n)]
+    return [(resolve("coupling", kind), spec, below) for (kind, spec), below in zip(specs, belows)]
+
+
+def needs(cfg: TrainConfig, spec: InputSpec, heldout: int) -> list[Need]:
+    """Estimated bytes of the large allocations of a run on inputs like `spec` with `heldout` held-out examples
+    (parameters and update state, the relaxation
+    workspaces of training and scoring, the couplings' own buffers, memory bank, rotor frame and schedule): within a
+    small factor of the peak, not an exact count. Each coupling kind estimates its own part (param_count,
+    workspace_bytes), so this stays generic over the kinds."""
     s = torch.finfo(getattr(torch, cfg.dtype)).bits // 8
-    n, k, v, b = cfg.coord_dim_n, cfg.rotor_k, num_classes, cfg.batch_size
-    x_dim = input_dim * cfg.embed_dim if text else input_dim
-    hidden = [
-        math.prod(resolve("coupling", kind).spec_size(spec)) for ((kind, spec),) in (e.items() for e in cfg.layers)
-    ]
-    dims = [x_dim, *hidden, n]
-    params = (v * cfg.embed_dim if text else 0) + sum(a * c + c for a, c in zip(dims, dims[1:])) + n + k + v * n + 1
-    widest = max(range(len(dims) - 1), key=lambda i: dims[i] * dims[i + 1])
+    n, k, v, b = cfg.coord_dim_n, cfg.rotor_k, spec.num_classes, cfg.batch_size
+    text = spec.tokens
+    x_shape = spec.input_shape or (spec.input_dim * cfg.embed_dim if text else spec.input_dim,)
+    couplings = chain(cfg, x_shape)
+    sizes = [math.prod(kind.spec_size(spec, below)) for kind, spec, below in couplings]
+    params = (v * cfg.embed_dim if text else 0) + sum(kind.param_count(below, spec) for kind, spec, below in couplings)
+    params += n + k + v * n + 1  # the readout
     cand = v + cfg.memory_capacity
     layers = math.ceil(k / max(n // 2, 1))
 
-    # The relaxation workspaces (trainer2.physics.dynamics.Workspace): b free rows, b or 2b nudged rows, EVAL_ROWS
-    # scored rows.
-    nudged = 2 if cfg.symmetric_nudge else 1
-    all_rows = (1 + nudged) * b + EVAL_ROWS
-    width_field = "embed_dim" if text and widest == 0 and cfg.embed_dim * input_dim > max(hidden) else "layers"
+    # A Relaxation of R rows (trainer2.physics.relaxation) holds a free workspace of R rows, a nudged one of `phases` R
+    # rows and the free equilibrium s0 (R rows); training has one of batch_size rows, scoring one per held-out batch
+    # size (EVAL_ROWS, and the last, smaller batch when every batch is scored).
+    phases = 2 if cfg.symmetric_nudge else 1
+    every = cfg.eval_batches is None or cfg.eval_batches * EVAL_ROWS >= heldout
+    scored = min(EVAL_ROWS, heldout) + (heldout % EVAL_ROWS if every and heldout > EVAL_ROWS else 0)
+    rows = b + scored
+    fixed = cfg.dt == cfg.gamma == cfg.mass == 1.0
+    extra = sum(sizes[:-2]) if fixed else 2 * sum(sizes)  # the fixed point's new lower layers, or momenta and forces
+    workspace_row = sum(sizes) + extra + sizes[0] + 8 * n  # state, drive, the readout's (R, n) buffers
+    per_row = s * ((1 + phases) * workspace_row + (1 if fixed else 2) * sum(sizes))
+    width_field = "embed_dim" if text and math.prod(x_shape) > max(sizes[:-1]) else "layers"
 
-    def by_rows(field: str) -> str:  # a per-row cost is the batch's to lower once the batch outweighs the fixed rows
-        return "batch_size" if (1 + nudged) * b > EVAL_ROWS else field
+    def by_rows(field: str) -> str:  # a per-row cost is the batch's to lower once the batch outweighs a scored batch
+        return "batch_size" if b > EVAL_ROWS else field
 
+    op_rows = max(phases * b, scored)
+    ops = max(kind.workspace_bytes(below, spec, op_rows, s) for kind, spec, below in couplings)
     step = s * (3 * n + 3)  # (q, velocity, z) history per row and step
     return [
         Need("parameters and update state", width_field, 8 * params * s),
-        Need(
-            "the relaxation state (rows x layer widths)",
-            by_rows(width_field),
-            all_rows * s * (4 * sum(dims[1:]) + x_dim + 8 * n),
-        ),
-        Need(
-            "the free phase's step history (rows x steps)",
-            by_rows("free_steps"),
-            (b + EVAL_ROWS) * cfg.free_steps * step,
-        ),
-        Need("the nudged phases' step history (rows x steps)", "nudge_steps", nudged * b * cfg.nudge_steps * step),
+        Need("the relaxation state (rows x layer widths)", by_rows(width_field), rows * per_row),
+        Need("the couplings' own buffers (rows x their outputs)", by_rows("layers"), ops),
+        Need("the free phase's step history (rows x steps)", by_rows("free_steps"), rows * cfg.free_steps * step),
+        Need("the nudged phases' step history (rows x steps)", "nudge_steps", phases * rows * cfg.nudge_steps * step),
         Need("the memory bank", "memory_capacity", cfg.memory_capacity * n * s * 5),
         Need(
             "the retrieval scores (rows x candidates)",
             "memory_capacity" if cfg.memory_capacity > v else "batch_size",
-            all_rows * cand * s * 22,
-        ),  # about 22 (rows, candidates) buffers, measured with memory_capacity 1e5
+            (1 + phases) * rows * cand * s * 10,  # ten (rows, candidates) buffers per workspace row
+        ),
         Need("the rotor frame", "rotor_k", 4 * layers * n * n * s + k * 3 * PY_OBJECT),
         Need("the rotor schedule", "coord_dim_n", n * n / 2 * PY_OBJECT),
     ]
 
 
-def check_sizes(
-    cfg: TrainConfig,
-    num_classes: int,
-    input_dim: int,
-    text: bool,
-    train_examples: int,
-    world: int,
-    device: torch.device,
-) -> None:
-    """Refuse a config that does not fit the data (a global batch larger than the training split) or the memory
-    free on `device`, naming the field that needs the most and how much."""
+def check_sizes(cfg: TrainConfig, spec: InputSpec, examples: tuple[int, int], world: int, device: torch.device) -> None:
+    """Refuse a config that does not fit the data (`examples`: its train and held-out split sizes; a global batch
+    larger than the training split) or the memory free on `device`, naming the field that needs the most and how
+    much."""
+    train_examples, heldout = examples
     if cfg.batch_size * world > train_examples:
         raise ConfigError(
             f"batch_size: {cfg.batch_size} x {world} process(es) is more than the {train_examples} training "
             "examples of the data; lower batch_size"
         )
-    parts = needs(cfg, num_classes, input_dim, text)
+    parts = needs(cfg, spec, heldout)
     total, free = sum(p.bytes for p in parts), available_bytes(device)
     if free is None or total <= free:
         return

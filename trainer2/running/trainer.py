@@ -50,6 +50,7 @@ from trainer2.running.evaluation import heldout_from_sums, heldout_sums, relaxat
 from trainer2.running.health import Diverged, Health, all_finite, divergence_message
 from trainer2.running.metrics import metric_row
 from trainer2.running.parts import build_parts, resolve_device, set_library_switches
+from trainer2.running.resume import resume_command
 from trainer2.running.rundir import claim, write_error
 from trainer2.running.signals import SignalStop, StopSignals
 from trainer2.running.step_runner import StepRunner
@@ -77,12 +78,15 @@ class Trainer:
     def __init__(
         self,
         cfg: TrainConfig,
-        data: Dataset | None = None,
         gradients: GradientSource = ep_gradients,
         log=print,
         dist: Distributed | None = None,
+        *,
+        data: Dataset | None = None,
+        resume_hint: str | None = None,
     ) -> None:
         self.cfg, self.log = cfg, log
+        self.resume_hint = resume_command(cfg) if resume_hint is None else resume_hint  # summary.json's, when stopped
         self.dist = Distributed() if dist is None else dist  # one process unless torchrun started this one
         if self.dist.world_size > 1 and cfg.memory_capacity:
             raise ConfigError(
@@ -155,8 +159,9 @@ class Trainer:
     @torch.no_grad()
     def train(self) -> dict[str, Any]:
         """Run to total_windows(), save a checkpoint and the summary, and return the summary. The first stop signal
-        (SIGINT, SIGTERM, SIGHUP, SIGQUIT) stops the run after the current window, still saving both
-        (summary["interrupted"] names the signal); a divergence stops it without saving, and raises Diverged."""
+        (trainer2.running.signals) stops the run after the current window, still saving both (summary["interrupted"]
+        names the signal, summary["resume_command"] continues the run); a divergence stops it without saving, and
+        raises Diverged."""
         total = self.total_windows()
         self.log("config:\n" + to_yaml(self.cfg).rstrip())
         self.log(run_header(self.data, self.device, window=self.relaxation.backend, update=self.updater.backend))
@@ -310,6 +315,7 @@ class Trainer:
             window_backend=self.relaxation.backend.name,
             update_backend=self.updater.backend.name,
             interrupted=interrupted,
+            **({"resume_command": self.resume_hint} if interrupted else {}),  # the terminal may be gone
             diverged=diverged is not None,
             **({"error": diverged} if diverged else {}),
         )

@@ -34,6 +34,7 @@ from torch import Tensor
 SPEC_KEYS = {"channels", "kernel", "pool", "pooling"}
 POOLINGS = ("avg", "max")
 EXACT_ITERS = 500  # power-iteration steps of the build-time cap: a conv's top singular values crowd together
+MAX_SPEC = 2**20  # channels, kernel, pool: far beyond any image, and products of them stay countable (sizes.py)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,29 @@ class Conv:
         if h < pool or w < pool:
             raise ValueError(f"pool {pool} is larger than the {h}x{w} image below it")
         return (channels, h // pool, w // pool)
+
+    @classmethod
+    def param_count(cls, below: tuple[int, ...], spec: object) -> int:
+        """Numbers learned above a (C_in, H, W) layer: K (C_out, C_in, k, k) and b (C_out,)."""
+        channels, kernel, _, _ = parse_spec(spec)
+        return channels * below[0] * kernel * kernel + channels
+
+    @classmethod
+    def workspace_bytes(cls, below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:
+        """Bytes allocated beyond the workspace at the peak of its operations over `rows` rows: a pull's convolution
+        output (full resolution before max pooling, with its argmax and unpooled plane) and the adjoint's
+        channels-last copy; the EP statistic's unfolded columns (C_in (k+s-1)^2 per output pixel, L's stride s),
+        which the einsum copies once more, beside the rows of both phases concatenated."""
+        channels, kernel, pool, pooling = parse_spec(spec)
+        c_in, h, w = below
+        maxpool = pooling == "max" and pool > 1
+        stride = 1 if maxpool else pool
+        pixels = (h // stride) * (w // stride)  # of L's output
+        linear = channels * pixels
+        pull = 2 * linear + math.prod(below) + (3 * linear if maxpool else 0)  # argmax int64 + unpooled plane
+        columns = c_in * (kernel + stride - 1) ** 2 * pixels
+        statistic = 2 * columns + 2 * linear + math.prod(below)
+        return itemsize * rows * max(pull, statistic)
 
     @classmethod
     def init(
@@ -274,8 +298,8 @@ def parse_spec(spec: object) -> tuple[int, int, int, str]:
         raise ValueError("a conv layer needs `channels` (the number of feature maps)")
     values = {"channels": spec["channels"], "kernel": spec.get("kernel", 3), "pool": spec.get("pool", 1)}
     for key, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"conv {key} must be an integer >= 1, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SPEC:
+            raise ValueError(f"conv {key} must be an integer in 1..{MAX_SPEC}, got {v!r}")
     if values["kernel"] % 2 == 0:
         raise ValueError(f"conv kernel must be odd (same padding is symmetric only then), got {values['kernel']}")
     pooling = spec.get("pooling", "avg")

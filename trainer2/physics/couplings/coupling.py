@@ -38,6 +38,15 @@ class Coupling(Protocol):
         """A new coupling from the layer of shape `below` to the one `spec` makes, its random parameters drawn from
         `gen` (scale multiplies their initial size; the coupling into q gets out_init_scale)."""
 
+    @classmethod
+    def param_count(cls, below: tuple[int, ...], spec: object) -> int:
+        """How many numbers a coupling of this spec learns above a layer of shape `below` (before it is built)."""
+
+    @classmethod
+    def workspace_bytes(cls, below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:
+        """Bytes its operations (pulls, EP statistic) allocate beyond the workspace at their peak, over `rows` rows of
+        `itemsize`-byte numbers: trainer2.running.sizes adds it to the workspace before anything is built."""
+
     def parameters(self) -> dict[str, Tensor]:
         """Its learned tensors by name, in the one parameter order."""
 

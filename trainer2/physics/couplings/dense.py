@@ -37,6 +37,19 @@ class Dense:
         return (spec,)
 
     @classmethod
+    def param_count(cls, below: tuple[int, ...], spec: object) -> int:
+        """Numbers learned above a layer of shape `below`: W (N, prod(below)) and b (N,)."""
+        (size,) = cls.spec_size(spec)
+        return size * math.prod(below) + size
+
+    @classmethod
+    def workspace_bytes(cls, below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:
+        """Bytes allocated beyond the workspace at the peak of its operations over `rows` rows: the pulls write into
+        the workspace; the EP statistic forms W-sized products (two at once) and an (rows, N) difference."""
+        (size,) = cls.spec_size(spec)
+        return itemsize * (2 * size * math.prod(below) + rows * size)
+
+    @classmethod
     def init(
         cls, name: str, below: tuple[int, ...], spec: object, scale: float, gen: torch.Generator, dtype: torch.dtype
     ) -> "Dense":
