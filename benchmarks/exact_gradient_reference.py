@@ -4,7 +4,7 @@
 
 `exact_gradients` is a gradient source for the trainer's seam, `Trainer(cfg, gradients=exact_gradients)`:
 every parameter gets autograd's gradient of the batch-mean loss through the unrolled free window (same
-T_free, integrator, dtype). The Trainer builds its batch step around it, so initialisation, data,
+T_free, integrator, relaxation order, dtype). The Trainer builds its batch step around it, so initialisation, data,
 sampler, update rule, learning rates, schedule, constraints and logged metrics are the trainer's own,
 and a gap between the two runs is the cost of the learning rule alone. Lives outside trainer2/ because
 it uses autograd.
@@ -53,7 +53,7 @@ def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepR
         loss, probs = relax.readout_scores(free)
     with relax.phase("update"), torch.inference_mode(False):  # the step runs in inference mode; autograd needs it off
         exact, _ = exact_grads(
-            m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps
+            m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps, cfg.relaxation
         )
     return StepResult(exact, loss, probs, WindowStats(**stats, lior_nudge=torch.zeros_like(stats["lior_mean"])))
 

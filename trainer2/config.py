@@ -179,6 +179,13 @@ class TrainConfig(BaseModel):
     dt: float = Field(1.0, gt=0.0, description="Integrator step size.")
     gamma: float = Field(1.0, ge=0.0, description="Damping; 0 = energy-conserving Stormer-Verlet (diagnostics only).")
     mass: float = Field(1.0, gt=0.0, description="Mass of every state coordinate.")
+    relaxation: Literal["jacobi", "even_odd"] = Field(
+        "jacobi",
+        description="Order of the fixed-point steps: 'jacobi' moves every layer from its neighbours' old values; "
+        "'even_odd' moves the odd layers (h_1, h_3, ...) from their neighbours, then the even ones from the new odd "
+        "ones (block coordinate descent: about half the steps to a given residual). even_odd needs dt = gamma = "
+        "mass = 1.",
+    )
 
     # --- update ---
     eta_update: float = Field(
@@ -334,6 +341,12 @@ class TrainConfig(BaseModel):
             )
         if self.max_windows is None and self.max_epochs is None:
             raise ValueError("set max_windows or max_epochs, or the run never ends")
+        if self.relaxation == "even_odd" and not self.dt == self.gamma == self.mass == 1.0:
+            raise ValueError(
+                f"relaxation even_odd runs the fixed-point steps only (dt = gamma = mass = 1), this run has dt "
+                f"{self.dt:g}, gamma {self.gamma:g}, mass {self.mass:g}: the leapfrog moves every layer at once "
+                "(--relaxation jacobi)"
+            )
         self._numerics()
         return self
 

@@ -23,6 +23,7 @@ from trainer2.physics.dynamics import (
     Workspace,
     fold_frame,
     set_nudge_scale,
+    staged_layers,
 )
 from trainer2.physics.energy import input_drive
 from trainer2.physics.kernels.backend import choose_backend, make_phase_function
@@ -71,7 +72,7 @@ class Relaxation:
         like = machine.readout.protos
         sizes = machine.state_sizes()
         num_cand = machine.num_classes + (0 if memory is None else memory.coords.shape[0])
-        self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass)
+        self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass, cfg.relaxation)  # the one place the order is read
         # The relaxation's backend (torch operators, or one Triton launch per phase), chosen once per run, not per step
         kinds = [c.kind for c in machine.energy.couplings]
         self.backend = choose_backend(cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds)
@@ -79,9 +80,10 @@ class Relaxation:
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
         self.nudge = NudgeScheme(cfg.beta_nudge, cfg.symmetric_nudge)
         fixed = self.integ.fixed_point
-        self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed)
+        temps = [sizes[j] for j in staged_layers(machine.energy)] if self.integ.even_odd else None
+        self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed, temps)
         self.ws_nudged = Workspace.allocate(
-            self.nudge.phases * batch, sizes, num_cand, cfg.nudge_steps, self.nudge.betas, like, fixed
+            self.nudge.phases * batch, sizes, num_cand, cfg.nudge_steps, self.nudge.betas, like, fixed, temps
         )
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
         self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, cfg.eps, like)

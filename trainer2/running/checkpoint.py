@@ -80,7 +80,7 @@ RESUME_FREE_FIELDS = frozenset(
 
 # Fields added after checkpoints were first written, with the value that reproduces what those checkpoints' runs
 # did: a checkpoint without the field is compared as if it held this value.
-ADDED_FIELDS: dict[str, Any] = {"augment_shift": 0}
+ADDED_FIELDS: dict[str, Any] = {"augment_shift": 0, "relaxation": "jacobi"}
 
 
 class CheckpointError(ValueError):
