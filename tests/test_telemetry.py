@@ -219,8 +219,9 @@ def test_cleanup_threshold_outside_0_1_is_refused():
         build_config([("command line", {"cleanup_threshold": 1.5})])
 
 
-def test_step_progress_and_phase_timing_leave_the_result_unchanged():
-    cfg = tiny_config(free_steps=8, nudge_steps=4)
+@pytest.mark.parametrize("relaxation", ["jacobi", "even_odd"])
+def test_step_progress_and_phase_timing_leave_the_result_unchanged(relaxation):
+    cfg = tiny_config(free_steps=8, nudge_steps=4, relaxation=relaxation)
     plain, watched = tiny_machine(cfg), tiny_machine(cfg)
     calls, timer = [], PhaseTimer(torch.device("cpu"), timing=True)
     a, b = build_step(plain, cfg, cfg.batch_size), build_step(watched, cfg, cfg.batch_size)

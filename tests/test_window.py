@@ -153,9 +153,9 @@ class NewStorage(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("memory_capacity", [0, 10])
-@pytest.mark.parametrize("dt", [1.0, 0.5])
-def test_a_window_allocates_nothing_after_warm_up(memory_capacity, dt):
-    cfg, m, relax, free, _ = primed(memory_capacity, dt=dt, hidden_sizes=[8, 6])
+@pytest.mark.parametrize("dt,relaxation", [(1.0, "jacobi"), (0.5, "jacobi"), (1.0, "even_odd")])
+def test_a_window_allocates_nothing_after_warm_up(memory_capacity, dt, relaxation):
+    cfg, m, relax, free, _ = primed(memory_capacity, dt=dt, relaxation=relaxation, hidden_sizes=[8, 6])
     with torch.no_grad():
         relax.nudged_phases(free)  # warm-up
     known = {
