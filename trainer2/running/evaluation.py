@@ -21,7 +21,7 @@ from trainer2.io.data import Dataset, heldout_batches
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.relaxation import Relaxation
-from trainer2.running.checkpoint import CheckpointError, load_checked, read_meta
+from trainer2.running.checkpoint import CheckpointError, load_checked, read_meta, saved_config
 from trainer2.running.parts import build_parts, resolve_device
 
 EVAL_BATCH = 512  # held-out examples per scoring batch
@@ -113,7 +113,7 @@ def load_trained(
     path = Path(path)
     meta = read_meta(path)
     try:
-        cfg = build_config([(f"checkpoint {path}", meta["config"]), ("command line", overrides or {})])
+        cfg = build_config([(f"checkpoint {path}", saved_config(meta["config"])), ("command line", overrides or {})])
     except ConfigError as e:
         raise CheckpointError(f"{path}: its config cannot be used: {e}") from None
     parts = build_parts(cfg, resolve_device(cfg))
