@@ -45,7 +45,7 @@ def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepR
     parameter.
 
     The trainer's own free phase runs too, so the logged loss, accuracy and window statistics are measured
-    exactly as the EP trainer's are; no nudged phase runs (lior_nudge is 0)."""
+    exactly as the EP trainer's are; no nudged phase runs (lior_nudge and spd_last_nudge are 0)."""
     cfg, m = relax.cfg, relax.m
     with relax.phase("free"):
         free = relax.free_phase(inputs, targets)
@@ -55,7 +55,8 @@ def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepR
         exact, _ = exact_grads(
             m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps, cfg.relaxation
         )
-    return StepResult(exact, loss, probs, WindowStats(**stats, lior_nudge=torch.zeros_like(stats["lior_mean"])))
+    zero = torch.zeros_like(stats["lior_mean"])
+    return StepResult(exact, loss, probs, WindowStats(**stats, lior_nudge=zero, spd_last_nudge=zero))
 
 
 def exact_trainer(cfg: TrainConfig, log=print) -> Trainer:

@@ -36,6 +36,7 @@ ROW_KEYS = {
     "R_mean",
     "spd_mean",
     "spd_last",
+    "spd_last_nudge",
     "lior_diff",
     "update_norm_energy",
     "update_norm_readout",
@@ -184,6 +185,7 @@ def test_profiling_preset_writes_a_trace_that_names_every_phase(small_text, tmp_
     assert "top operators by self CPU time" in top and "aten::" in top
     out, err = capfd.readouterr()
     assert out.count("timing @ window") == 3  # windows 4, 8 and the end (9)
+    assert out.count("residual at the last step, spd / sqrt(eps): free ") == 3 and "x, nudged " in out
     assert all(p in out for p in PHASES)
     assert "USDT" not in err and "profiler_start" not in err  # the profiler backend's start/stop markers
 

@@ -36,6 +36,14 @@ def _finite(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def residual_line(row: dict[str, Any], eps: float) -> str:
+    """Each phase's convergence residual over a log interval: its spd at the last step relative to the floor
+    sqrt(eps) (1.00x when settled)."""
+    floor = math.sqrt(eps)
+    free, nudged = row["spd_last"] / floor, row["spd_last_nudge"] / floor
+    return f"residual at the last step, spd / sqrt(eps): free {free:.3g}x, nudged {nudged:.3g}x"
+
+
 class Telemetry:
     """Appends one JSON object per line to <run_dir>/telemetry.jsonl (append: a resumed run continues the file).
 
@@ -265,6 +273,7 @@ class Monitor:
                 self.board.write(row)
             if self.cfg.timing_debug and self.writes:
                 tqdm.write(timing_table(window, {k: v for k, v in row.items() if k.startswith("time_")}))
+                tqdm.write(residual_line(row, self.cfg.eps))
 
     def close(self) -> None:
         for path in self.profiler.finish():

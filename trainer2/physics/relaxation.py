@@ -42,14 +42,16 @@ from trainer2.physics.readout import (
 
 @dataclass
 class WindowStats:
-    """Window observables, each a 0-dim tensor: free-phase LIoR path length, mean and last spd, mean R_sc
-    (batch means), and the nudged phases' path length (0 when a gradient source runs no nudged phase)."""
+    """Window observables, each a 0-dim tensor: free-phase LIoR path length, mean and last spd (the free phase's
+    convergence residual), mean R_sc (batch means), and the nudged phases' path length and last spd (their residual;
+    both 0 when a gradient source runs no nudged phase)."""
 
     lior_mean: Tensor
     spd_mean: Tensor
     spd_last: Tensor
     R_mean: Tensor
     lior_nudge: Tensor
+    spd_last_nudge: Tensor
 
 
 @dataclass
@@ -143,6 +145,12 @@ class Relaxation:
     def nudged_lior(self) -> Tensor:
         """Mean LIoR path length of the nudged phases (0-dim), after nudged_phases."""
         return self.lior(self.ws_nudged.spd_hist.mean(), self.cfg.nudge_steps)
+
+    def nudged_stats(self) -> dict[str, Tensor]:
+        """The nudged phases' observables (after nudged_phases), 0-dim: their LIoR path length and their spd at the
+        last step, the mean over the rows of every nudged phase (their convergence residual, as spd_last is the
+        free phase's)."""
+        return {"lior_nudge": self.nudged_lior(), "spd_last_nudge": self.ws_nudged.spd_rows[-1].mean()}
 
     def lior(self, spd_mean: Tensor, steps: int) -> Tensor:
         """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean."""

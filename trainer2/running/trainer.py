@@ -29,7 +29,7 @@ from trainer2.io.telemetry import Monitor
 from trainer2.learning.gradients import GradientSource, ep_gradients
 from trainer2.learning.params import ParamTable
 from trainer2.learning.step import BatchStep, build_step
-from trainer2.learning.update import Updater
+from trainer2.learning.update import ADDED_METRICS, Updater
 from trainer2.physics.dead_units import dead_units
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
@@ -316,6 +316,7 @@ class Trainer:
             "spd_mean",
             "spd_last",
             "lior_nudge",
+            "spd_last_nudge",
             "R_mean",
             "dropped",
             "update_norm_energy",
@@ -400,7 +401,10 @@ class Trainer:
     def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
         """Copy a checkpoint's state into the live tensors in place and restore sampler, RNG, counters and history."""
         for k, dst in self.state_tensors().items():
-            dst.copy_(tensors[k])
+            if k in tensors:
+                dst.copy_(tensors[k])
+            else:  # a metric sum added after the checkpoint was written (load_checked allows only those): from 0
+                dst.zero_()
         self.sampler.load_state_dict(sampler_state(tensors))
         torch.set_rng_state(tensors["rng.cpu"])
         if self.device.type == "cuda" and "rng.cuda" in tensors:
@@ -436,7 +440,11 @@ class Trainer:
         copied."""
         path = Path(path)
         loaded, meta = ck.load_checked(
-            path, self.cfg, self.data, self.checkpoint_tensors(), optional=frozenset({"rng.cuda"}) | SAMPLER_KEYS
+            path,
+            self.cfg,
+            self.data,
+            self.checkpoint_tensors(),
+            optional=frozenset({"rng.cuda", *(f"metrics.{k}" for k in ADDED_METRICS)}) | SAMPLER_KEYS,
         )
         try:  # the sampler checks its own state, in one of two formats (trainer2.io.sampler), on a throwaway copy
             Sampler(self.sampler.num_examples, self.sampler.batch_size, 0).load_state_dict(sampler_state(loaded))
