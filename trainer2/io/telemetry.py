@@ -41,7 +41,7 @@ def residual_line(row: dict[str, Any], eps: float) -> str:
     sqrt(eps) (1.00x when settled)."""
     floor = math.sqrt(eps)
     free, nudged = row["spd_last"] / floor, row["spd_last_nudge"] / floor
-    return f"residual at the last step, spd / sqrt(eps): free {free:.3g}x, nudged {nudged:.3g}x"
+    return f"residual at the last step, spd / sqrt(eps): free {free:.3f}x, nudged {nudged:.3f}x"
 
 
 class Telemetry:

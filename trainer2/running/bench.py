@@ -330,7 +330,7 @@ def report(
         f"eager phases, ms per window at batch {rows[0].batch if rows else '-'}: "
         + ", ".join(f"{k} {v:.3f}" for k, v in cost.phase_ms.items()),
         f"residual at the last step, spd / sqrt(eps) (the last of those windows, from the initial machine): "
-        f"free {cost.free_residual:.3g}x, nudged {cost.nudged_residual:.3g}x (1x: settled)",
+        f"free {cost.free_residual:.3f}x, nudged {cost.nudged_residual:.3f}x (1x: settled)",
     ]
     if not cuda:
         lines.append(
