@@ -2,7 +2,7 @@
 the free phase ends from its fixed point, and the EP update's cosine to the exact gradient. Counts only, no timing.
 
     python benchmarks/step_counts.py --preset dev [--train_windows 3000] [--batches 4] [--free_steps 3 4 6 8 12]
-        [--nudge_steps 2 3 4] [--orders jacobi even_odd] [--true_steps 200] [--FIELD VALUE ...]
+        [--nudge_steps 2 3 4] [--orders jacobi even_odd] [--true_steps 200] [--rows N] [--FIELD VALUE ...]
 
 Trains the preset as configured (its own order and window; the schedule squeezed into --train_windows windows), then,
 on that machine and the same --batches training batches, runs the trainer's EP gradient source at every order and
@@ -104,6 +104,9 @@ def main() -> None:
     )
     p.add_argument("--orders", nargs="+", choices=["jacobi", "even_odd"], default=["jacobi", "even_odd"])
     p.add_argument("--true_steps", type=int, default=200, help="even/odd steps of the float64 fixed point")
+    p.add_argument(
+        "--rows", type=int, help="measure on the first ROWS examples of each batch (autograd's memory grows with them)"
+    )
     args, flags = p.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = resolve_config(
@@ -116,7 +119,7 @@ def main() -> None:
         trainer = Trainer(cfg, log=lambda *_: None)
         if args.train_windows:
             trainer.train()
-        batches = [trainer.next_batch() for _ in range(args.batches)]
+        batches = [tuple(t[: args.rows] for t in trainer.next_batch()) for _ in range(args.batches)]
         ratio = cfg.nudge_steps / cfg.free_steps
         nudges = lambda t: args.nudge_steps or [math.ceil(t * ratio)]  # noqa: E731
         windows = [(t, tn) for t in args.free_steps for tn in nudges(t)]
@@ -124,7 +127,7 @@ def main() -> None:
     print(
         f"preset {args.preset} ({' '.join(flags) or 'as shipped'}), layers {cfg.layers}, trained {args.train_windows} "
         f"windows with {cfg.relaxation} {cfg.free_steps} / {cfg.nudge_steps}; means over {args.batches} batches of "
-        f"{cfg.batch_size}; fixed point: {args.true_steps} even/odd steps, float64"
+        f"{len(batches[0][1])}; fixed point: {args.true_steps} even/odd steps, float64"
     )
     keys = ["res free", "res nudged", "err free", "cos window", "cos fixed"]
     print(f"{'order':<9} {'free':>4} {'nudge':>5} " + " ".join(f"{k:>11}" for k in keys))
