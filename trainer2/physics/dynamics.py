@@ -323,14 +323,14 @@ def fixed_point_steps(run: PhaseRun) -> None:
 def q_step(run: PhaseRun, top: Tensor, q: Tensor, q_new: Tensor) -> None:
     """q_new = the minimiser in q given h_M = top: its pull W h_M + b, and nudged, plus the readout's pull at q
     ([dq | 0 | y | 1 | qA] from q, W h_M added to dq without its bias, which b_nudge holds; q_new = q + dq)."""
-    out = run.energy.output
+    c_out = run.energy.output
     if run.nudged:
         torch.addmm(run.fold.b_nudge, q, run.fold.mq_nudge, out=run.ws.out)  # [b - q | 0 | y | 1 | qA]
-        out.add_up(top, run.ws.dq)  # the pull of h_M into dq alone (y and qA do not see h_M)
+        c_out.add_up(top, run.ws.dq)  # the pull of h_M into dq alone (y and qA do not see h_M)
         readout_nudge(run.ws, run.fold, run.one_hot)
         torch.add(q, run.ws.dq, out=q_new)
     else:
-        out.up(top, q_new)
+        c_out.up(top, q_new)
 
 
 def record_speeds(run: PhaseRun) -> None:
