@@ -23,21 +23,48 @@ def leapfrog_step(
     return [si.clamp(0.0, 1.0) if i < len(s) - 1 else si for i, si in enumerate(s)], p
 
 
+def groups(layers: int, order: str) -> list[list[int]]:
+    """The layers each part of a step moves: all at once (jacobi), or the odd layers h_1, h_3, ... (list indices 0, 2,
+    ...) and then the even ones (even_odd)."""
+    if order == "jacobi":
+        return [list(range(layers))]
+    return [list(range(0, layers, 2)), list(range(1, layers, 2))]
+
+
+def partial_step(
+    s: list[Tensor], p: list[Tensor], force: list[Tensor], dt: float, gamma: float, mass: float, group: list[int]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """leapfrog_step for the layers in `group`; the others keep their positions and momenta."""
+    s_new, p_new = leapfrog_step(s, p, force, dt, gamma, mass)
+    return [s_new[i] if i in group else s[i] for i in range(len(s))], [
+        p_new[i] if i in group else p[i] for i in range(len(p))
+    ]
+
+
 def relax(
-    x: Tensor, weights: list[Tensor], biases: list[Tensor], steps: int, dt: float, gamma: float, mass: float
+    x: Tensor,
+    weights: list[Tensor],
+    biases: list[Tensor],
+    steps: int,
+    dt: float,
+    gamma: float,
+    mass: float,
+    order: str = "jacobi",
 ) -> list[Tensor]:
-    """Unrolled damped leapfrog on the layered energy from s = p = 0; returns the final state [h_1.., q]."""
+    """Unrolled damped leapfrog on the layered energy from s = p = 0, every layer at once or in even/odd order;
+    returns the final state [h_1.., q]."""
     s = [torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype) for w in weights]
     p = [torch.zeros_like(t) for t in s]
     for _ in range(steps):
-        below = [x, *s[:-1]]
-        force = []
-        for i in range(len(s)):
-            f = -s[i] + below[i] @ weights[i].T + biases[i]
-            if i + 1 < len(s):
-                f = f + s[i + 1] @ weights[i + 1]
-            force.append(f)
-        s, p = leapfrog_step(s, p, force, dt, gamma, mass)
+        for group in groups(len(s), order):
+            below = [x, *s[:-1]]
+            force = []
+            for i in range(len(s)):
+                f = -s[i] + below[i] @ weights[i].T + biases[i]
+                if i + 1 < len(s):
+                    f = f + s[i + 1] @ weights[i + 1]
+                force.append(f)
+            s, p = partial_step(s, p, force, dt, gamma, mass, group)
     return s
 
 
@@ -69,18 +96,21 @@ def exact_grads(
     mass: float,
     beta_r: float,
     eps: float,
+    order: str = "jacobi",
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """Autograd gradient of the batch-mean loss at the free equilibrium for every named parameter, and the loss. A
-    machine with couplings other than dense (a conv machine on images) goes through `exact_grads_energy`."""
+    """Autograd gradient of the batch-mean loss at the free equilibrium for every named parameter, and the loss; the
+    free window unrolled in the trainer's order. A machine with couplings other than dense (a conv machine on
+    images) goes through `exact_grads_energy`."""
     if any(c.kind != "dense" for c in machine.energy.couplings):
-        return exact_grads_energy(machine, inputs, targets, steps, dt, gamma, mass, beta_r, eps)
+        return exact_grads_energy(machine, inputs, targets, steps, dt, gamma, mass, beta_r, eps, order)
     names = list(machine.named_params())
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
     with torch.enable_grad():
         x = leaves["emb"][inputs].flatten(1) if "emb" in leaves else inputs
         last = len(machine.energy.weights) - 1
         tags = [("out" if i == last else str(i + 1)) for i in range(last + 1)]
-        s = relax(x, [leaves[f"W_{t}"] for t in tags], [leaves[f"b_{t}"] for t in tags], steps, dt, gamma, mass)
+        weights, biases = [leaves[f"W_{t}"] for t in tags], [leaves[f"b_{t}"] for t in tags]
+        s = relax(x, weights, biases, steps, dt, gamma, mass, order)
         loss = readout_loss(
             s[-1], targets, leaves["g_diag"], leaves["theta"], leaves["protos"], leaves["r_sc"], machine, beta_r, eps
         ).mean()
@@ -92,15 +122,18 @@ def cosine(a: Tensor, b: Tensor) -> float:
     return float((a.flatten() @ b.flatten()) / (a.norm() * b.norm()).clamp_min(1e-30))
 
 
-def relax_energy(x: Tensor, e: Energy, steps: int, dt: float, gamma: float, mass: float) -> list[Tensor]:
+def relax_energy(
+    x: Tensor, e: Energy, steps: int, dt: float, gamma: float, mass: float, order: str = "jacobi"
+) -> list[Tensor]:
     """As `relax` for a chain of any couplings: the forces are autograd's -dE/ds of the energy as the couplings write
     it (`energy`), so the pulls the trainer uses are not involved."""
     s = [torch.zeros(x.shape[0], h, dtype=x.dtype) for h in e.state_sizes()]
     p = [torch.zeros_like(t) for t in s]
     for _ in range(steps):
-        s = [t if t.requires_grad else t.requires_grad_(True) for t in s]
-        force = [-g for g in torch.autograd.grad(energy(s, x, e).sum(), s, create_graph=True)]
-        s, p = leapfrog_step(s, p, force, dt, gamma, mass)
+        for group in groups(len(s), order):
+            s = [t if t.requires_grad else t.requires_grad_(True) for t in s]
+            force = [-g for g in torch.autograd.grad(energy(s, x, e).sum(), s, create_graph=True)]
+            s, p = partial_step(s, p, force, dt, gamma, mass, group)
     return s
 
 
@@ -114,6 +147,7 @@ def exact_grads_energy(
     mass: float,
     beta_r: float,
     eps: float,
+    order: str = "jacobi",
 ) -> tuple[dict[str, Tensor], Tensor]:
     """As `exact_grads` for a feature or image machine (x (B, D) clamped) whose couplings may be of any kind: the
     gradients and the batch-mean loss."""
@@ -121,7 +155,7 @@ def exact_grads_energy(
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
     with torch.enable_grad():
         x = machine.input_vectors(x)  # in the machine's dtype (feature and image rows load as float32)
-        s = relax_energy(x, machine.energy.rebind(leaves), steps, dt, gamma, mass)
+        s = relax_energy(x, machine.energy.rebind(leaves), steps, dt, gamma, mass, order)
         loss = readout_loss(
             s[-1], targets, leaves["g_diag"], leaves["theta"], leaves["protos"], leaves["r_sc"], machine, beta_r, eps
         ).mean()

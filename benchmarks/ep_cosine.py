@@ -48,6 +48,7 @@ def measure(trainer: Trainer, batches: int, true_steps: int, per_param: bool = F
             cfg.mass,
             cfg.retrieval_beta,
             cfg.eps,
+            cfg.relaxation,
         )
         groups: dict[str, tuple[list, list]] = {}
         for n, g in est.items():

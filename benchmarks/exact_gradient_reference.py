@@ -4,7 +4,7 @@
 
 `exact_gradients` is a gradient source for the trainer's seam, `Trainer(cfg, gradients=exact_gradients)`:
 every parameter gets autograd's gradient of the batch-mean loss through the unrolled free window (same
-T_free, integrator, dtype). The Trainer builds its batch step around it, so initialisation, data,
+T_free, integrator, relaxation order, dtype). The Trainer builds its batch step around it, so initialisation, data,
 sampler, update rule, learning rates, schedule, constraints and logged metrics are the trainer's own,
 and a gap between the two runs is the cost of the learning rule alone. Lives outside trainer2/ because
 it uses autograd.
@@ -45,7 +45,7 @@ def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepR
     parameter.
 
     The trainer's own free phase runs too, so the logged loss, accuracy and window statistics are measured
-    exactly as the EP trainer's are; no nudged phase runs (lior_nudge is 0)."""
+    exactly as the EP trainer's are; no nudged phase runs (lior_nudge and spd_last_nudge are 0)."""
     cfg, m = relax.cfg, relax.m
     with relax.phase("free"):
         free = relax.free_phase(inputs, targets)
@@ -53,9 +53,19 @@ def exact_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepR
         loss, probs = relax.readout_scores(free)
     with relax.phase("update"), torch.inference_mode(False):  # the step runs in inference mode; autograd needs it off
         exact, _ = exact_grads(
-            m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, m.spec.retrieval_beta, m.spec.eps
+            m,
+            inputs,
+            targets,
+            cfg.free_steps,
+            cfg.dt,
+            cfg.gamma,
+            cfg.mass,
+            m.spec.retrieval_beta,
+            m.spec.eps,
+            cfg.relaxation,
         )
-    return StepResult(exact, loss, probs, WindowStats(**stats, lior_nudge=torch.zeros_like(stats["lior_mean"])))
+    zero = torch.zeros_like(stats["lior_mean"])
+    return StepResult(exact, loss, probs, WindowStats(**stats, lior_nudge=zero, spd_last_nudge=zero))
 
 
 def exact_trainer(cfg: TrainConfig, log=print) -> Trainer:

@@ -11,6 +11,8 @@ import pytest
 from safetensors.torch import load_file
 
 from trainer2.cli import main
+from trainer2.running.checkpoint import ADDED_FIELDS
+from trainer2.train_config import TrainConfig, build_config
 
 LEGACY = Path(__file__).resolve().parent / "data" / "main_dc24e50"
 REPO = LEGACY.parent.parent.parent  # the checkpoint names its corpus relative to the repository root
@@ -41,3 +43,37 @@ def test_a_checkpoint_of_main_before_the_couplings_resumes_as_that_main_did(lega
     got = load_file(legacy_run / "step_00000006" / "tensors.safetensors")
     for name, norm in want["param_norms"].items():
         assert float(got[name].double().norm()) == pytest.approx(norm, rel=1e-6, abs=1e-9), name
+
+
+@pytest.fixture
+def even_odd_default():
+    """TrainConfig as it would be with even/odd relaxation as the default (rebuilt back afterwards)."""
+    field = TrainConfig.model_fields["relaxation"]
+    assert field.default == "jacobi" and ADDED_FIELDS["relaxation"] == "jacobi"  # what checkpoints before it ran
+    field.default = "even_odd"
+    TrainConfig.model_rebuild(force=True)
+    try:
+        assert TrainConfig().relaxation == "even_odd"
+        yield
+    finally:
+        field.default = "jacobi"
+        TrainConfig.model_rebuild(force=True)
+
+
+def test_a_checkpoint_from_before_even_odd_resumes_with_jacobi_when_the_default_changes(
+    legacy_run, even_odd_default, capsys
+):
+    """The checkpoint lacks `relaxation`: its layer takes ADDED_FIELDS' value (what its run did), so it resumes as that
+    main did, not with the new default, and a note names the field; a fresh run takes the new default."""
+    assert main(["--resume", str(legacy_run / "step_00000004"), "--max_windows", "6"]) == 0
+    err = capsys.readouterr().err
+    assert "note: relaxation: the checkpoint predates this field" in err and "the default is now 'even_odd'" in err
+    saved = json.loads((legacy_run / "step_00000006" / "meta.json").read_text())["config"]
+    assert saved["relaxation"] == "jacobi"  # written down now, so the next resume needs no note
+    want = json.loads((LEGACY / "resumed_to_6.json").read_text())
+    got = load_file(legacy_run / "step_00000006" / "tensors.safetensors")
+    for name, norm in want["param_norms"].items():
+        assert float(got[name].double().norm()) == pytest.approx(norm, rel=1e-6, abs=1e-9), name
+    assert main(["evaluate", "--checkpoint", str(legacy_run / "step_00000004")]) == 0
+    assert "note: relaxation" in capsys.readouterr().err
+    assert build_config([("test", {})]).relaxation == "even_odd"

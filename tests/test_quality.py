@@ -65,8 +65,9 @@ def test_exact_gradient_source_is_autograds_gradient():
     torch.testing.assert_close(ex.loss, ep.loss)  # same free phase, same readout
     torch.testing.assert_close(ex.loss.mean(), loss)
     assert (
-        float(ex.stats.lior_mean) > 0 and float(ex.stats.lior_nudge) == 0.0
+        float(ex.stats.lior_mean) > 0 and float(ex.stats.lior_nudge) == float(ex.stats.spd_last_nudge) == 0.0
     )  # real free-phase statistics, no nudged phase
+    assert float(ep.stats.spd_last_nudge) > 0
 
 
 def test_the_reference_trainer_steps_with_its_own_gradient_source_every_window(tmp_path, small_text, monkeypatch):

@@ -104,3 +104,21 @@ def test_a_run_with_format_1_sampler_state_resumes_bit_for_bit_through_the_train
     resumed.load_checkpoint(cut)
     resumed.train()
     assert_same_checkpoint(run_dir(tmp_path, "whole") / "step_00000020", run_dir(tmp_path, "cut") / "step_00000020")
+
+
+def test_blocks_permuted_ahead_give_what_each_batch_permuted_alone_gives(monkeypatch):
+    """The sampler permutes BLOCK positions at once; the indices are those of permuting each batch alone, across block
+    and epoch boundaries and after a resume in the middle of a block."""
+    monkeypatch.setattr("trainer2.data.sampler.BLOCK", 40)  # a few blocks per epoch, and batches that straddle them
+    n, batch, seed = 203, 7, 11
+    s = Sampler(n, batch, seed)
+    epoch, pos = 0, 0
+    for _ in range(100):  # about three and a half epochs
+        if pos + batch > n:
+            epoch, pos = epoch + 1, 0
+        want = permute(np.arange(pos, pos + batch, dtype=np.uint64), n, s.seed, epoch).astype(np.int64)
+        assert s.next().tolist() == want.tolist()
+        pos += batch
+    resumed = Sampler(n, batch, 0)
+    resumed.load_state_dict(s.state_dict())
+    assert [resumed.next().tolist() for _ in range(30)] == [s.next().tolist() for _ in range(30)]

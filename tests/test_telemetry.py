@@ -40,6 +40,7 @@ ROW_KEYS = {
     "R_mean",
     "spd_mean",
     "spd_last",
+    "spd_last_nudge",
     "lior_diff",
     "update_norm_energy",
     "update_norm_readout",
@@ -190,6 +191,7 @@ def test_profiling_preset_writes_a_trace_that_names_every_phase(small_text, tmp_
     assert "top operators by self CPU time" in top and "aten::" in top
     out, err = capfd.readouterr()
     assert out.count("timing @ window") == 3  # windows 4, 8 and the end (9)
+    assert out.count("residual at the last step, spd / sqrt(eps): free ") == 3 and "x, nudged " in out
     assert all(p in out for p in PHASES)
     assert "USDT" not in err and "profiler_start" not in err  # the profiler backend's start/stop markers
 
@@ -225,8 +227,9 @@ def test_cleanup_threshold_outside_0_1_is_refused():
         build_config([("command line", {"cleanup_threshold": 1.5})])
 
 
-def test_step_progress_and_phase_timing_leave_the_result_unchanged():
-    cfg = tiny_config(free_steps=8, nudge_steps=4)
+@pytest.mark.parametrize("relaxation", ["jacobi", "even_odd"])
+def test_step_progress_and_phase_timing_leave_the_result_unchanged(relaxation):
+    cfg = tiny_config(free_steps=8, nudge_steps=4, relaxation=relaxation)
     plain, watched = tiny_machine(cfg), tiny_machine(cfg)
     calls, timer = [], PhaseTimer(torch.device("cpu"), timing=True)
     a, b = build_step(plain, cfg, cfg, cfg.batch_size), build_step(watched, cfg, cfg, cfg.batch_size)

@@ -30,7 +30,7 @@ from tiny import tiny_batch, tiny_config, tiny_machine  # noqa: E402
 from benchmarks.autograd_reference import cosine  # noqa: E402
 from benchmarks.exact_gradient_reference import exact_gradients  # noqa: E402
 from trainer2.learning.gradients import ep_gradients  # noqa: E402
-from trainer2.physics.dynamics import fixed_point_steps  # noqa: E402
+from trainer2.physics.dynamics import even_odd_steps, fixed_point_steps  # noqa: E402
 from trainer2.physics.kernels import free_phase, nudged_phase  # noqa: E402
 from trainer2.physics.kernels.backend import TritonWindow  # noqa: E402
 from trainer2.physics.memory import MemoryBank  # noqa: E402
@@ -102,9 +102,40 @@ def test_each_phase_equals_the_torch_window(dtype, hidden, memory, batch):
     assert float((tri.s_plus[-1] - tri.s_minus[-1]).abs().max()) > 1e3 * TOL[dtype]
 
 
-def test_chunked_windows_equal_one_window():
+EVEN_ODD = [
+    (hidden, memory, dtype) for hidden in ([12], [9, 7], [9, 7, 6]) for memory in (0, 16) for dtype in ("float32",)
+]
+EVEN_ODD += [([9, 7, 6], 16, "float64"), ([9, 7], 0, "float64")]
+
+
+@pytest.mark.parametrize(
+    "hidden,memory,dtype",
+    EVEN_ODD,
+    ids=[f"{d}-h{'x'.join(map(str, h))}-{'bank' if m else 'onehot'}" for h, m, d in EVEN_ODD],
+)
+def test_each_even_odd_phase_equals_the_torch_window(hidden, memory, dtype):
+    """--relaxation even_odd: the kernels' odd / q / even halves against even_odd_steps, free and nudged, batch 13."""
+    tri, ref = relaxations(
+        ("triton", "torch"), 16 if memory else 0, dtype=dtype, hidden_sizes=hidden, batch_size=13, relaxation="even_odd"
+    )
+    assert isinstance(tri.steps_fn, TritonWindow) and ref.steps_fn is even_odd_steps
+    (jac,) = relaxations(("torch",), 16 if memory else 0, dtype=dtype, hidden_sizes=hidden, batch_size=13)
+    inputs, targets = tiny_batch(tri.cfg)
+    with torch.no_grad():
+        frees = [r.free_phase(inputs, targets) for r in (tri, ref, jac)]
+        compare(tri, ref, False, TOL[dtype])
+        for r, free in zip((tri, ref, jac), frees):
+            r.nudged_phases(free)
+        compare(tri, ref, True, TOL[dtype])
+    assert tri.steps_fn.launches == 2
+    # 12 / 8 steps from rest are short of the fixed point, so the orders really differ: the kernels ran even/odd
+    assert float((tri.ws.q_hist - jac.ws.q_hist).abs().max()) > 1e3 * TOL[dtype]
+
+
+@pytest.mark.parametrize("relaxation", ["jacobi", "even_odd"])
+def test_chunked_windows_equal_one_window(relaxation):
     """relax() with progress reporting runs a window in chunks (start > 0): the same result as the torch window."""
-    tri, ref = relaxations(("triton", "torch"), 0, hidden_sizes=[9, 7])
+    tri, ref = relaxations(("triton", "torch"), 0, hidden_sizes=[9, 7], relaxation=relaxation)
     inputs, targets = tiny_batch(tri.cfg)
     for r in (tri, ref):
         r.progress_every, r.on_steps = 5, lambda *_: None

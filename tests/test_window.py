@@ -65,6 +65,18 @@ def test_free_stats_are_the_lior_path_length_and_spd_of_the_window():
     assert torch.equal(stats["R_mean"], m.readout.r_sc)
 
 
+def test_nudged_stats_are_the_path_length_and_last_spd_of_the_nudged_phases():
+    """spd_last_nudge is the nudged phases' residual: the spd of their last step, the mean over every stacked row."""
+    cfg, m, relax, free, _ = primed(nudge_steps=7, beta_nudge=0.05)
+    with torch.no_grad():
+        relax.nudged_phases(free)
+    spd = relax.ws_nudged.spd_hist[:7]  # (T, 2B): +beta and -beta rows
+    stats = relax.nudged_stats()
+    assert spd.shape == (7, 2 * cfg.batch_size)
+    assert torch.allclose(stats["spd_last_nudge"], spd[6].mean()) and float(spd[6].mean()) != float(spd[5].mean())
+    assert torch.allclose(stats["lior_nudge"], (m.readout.r_sc * spd.sum(0)).mean())
+
+
 def test_unit_step_is_the_fixed_point_iteration():
     cfg, m, relax, free, x = primed(dt=1.0, gamma=1.0, mass=1.0)
     assert relax.integ.fixed_point and relax.steps_fn is fixed_point_steps
@@ -153,9 +165,9 @@ class NewStorage(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("memory_capacity", [0, 10])
-@pytest.mark.parametrize("dt", [1.0, 0.5])
-def test_a_window_allocates_nothing_after_warm_up(memory_capacity, dt):
-    cfg, m, relax, free, _ = primed(memory_capacity, dt=dt, hidden_sizes=[8, 6])
+@pytest.mark.parametrize("dt,relaxation", [(1.0, "jacobi"), (0.5, "jacobi"), (1.0, "even_odd")])
+def test_a_window_allocates_nothing_after_warm_up(memory_capacity, dt, relaxation):
+    cfg, m, relax, free, _ = primed(memory_capacity, dt=dt, relaxation=relaxation, hidden_sizes=[8, 6])
     with torch.no_grad():
         relax.nudged_phases(free)  # warm-up
     known = {

@@ -18,6 +18,7 @@ ROUNDS = 6  # Feistel rounds; 4 already give a pseudo-random permutation for a r
 MASK64 = (1 << 64) - 1
 KEYS = ("format", "seed", "num_examples", "epoch", "pos")
 LEGACY_KEYS = ("generator", "num_examples", "epoch", "pos")
+BLOCK = 1 << 14  # positions of an epoch permuted at once: a batch's numpy work (dozens of small ufuncs) amortised
 STATE_KEYS = frozenset(f"sampler.{k}" for k in KEYS + LEGACY_KEYS)  # a checkpoint holds one of the two sets
 
 
@@ -82,6 +83,7 @@ class Sampler:
         self._epoch = 0
         self._pos = 0
         self._legacy: RandpermSampler | None = None  # set by loading a format-1 state
+        self._block: tuple[int, int, np.ndarray] | None = None  # (epoch, first position, indices): derived, not state
 
     @property
     def epoch(self) -> int:
@@ -93,9 +95,23 @@ class Sampler:
             return self._legacy.next()
         if self._pos + self.batch_size > self.num_examples:
             self._epoch, self._pos = self._epoch + 1, 0
-        positions = np.arange(self._pos, self._pos + self.batch_size, dtype=np.uint64)
-        self._pos += self.batch_size
-        return torch.from_numpy(permute(positions, self.num_examples, self.seed, self._epoch).astype(np.int64))
+        start, self._pos = self._pos, self._pos + self.batch_size
+        return torch.from_numpy(self.indices(start, self.batch_size).copy())
+
+    def indices(self, start: int, count: int) -> np.ndarray:
+        """int64 [count]: the examples at positions start .. start + count - 1 of the current epoch, read from a block
+        of BLOCK positions permuted at once (the same values as permuting each batch alone)."""
+        block = self._block
+        if (
+            block is None
+            or block[0] != self._epoch
+            or not block[1] <= start <= start + count <= block[1] + len(block[2])
+        ):
+            end = min(self.num_examples, start + max(BLOCK, count))
+            positions = np.arange(start, end, dtype=np.uint64)
+            block = (self._epoch, start, permute(positions, self.num_examples, self.seed, self._epoch).astype(np.int64))
+            self._block = block
+        return block[2][start - block[1] : start - block[1] + count]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """All state as int64 [] tensors (format 2), or the randperm sampler's (format 1) when resumed from one."""
@@ -130,7 +146,7 @@ class Sampler:
         pos = int(state["pos"])
         if not 0 <= pos <= self.num_examples:
             raise DataError(f"sampler state has position {pos}, expected 0..{self.num_examples}")
-        self._legacy = None
+        self._legacy, self._block = None, None
         self.seed, self._epoch, self._pos = int(state["seed"]), int(state["epoch"]), pos
 
 

@@ -60,4 +60,4 @@ def ep_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResu
         grads.update(g_diag=res.grads.g_diag, theta=res.grads.theta, protos=res.grads.protos, r_sc=res.grads.r_sc)
         if gx is not None:
             grads["emb"] = embedding_grad(gx.reshape(-1, m.emb.shape[1]), inputs.flatten(), m.emb.shape[0])
-        return StepResult(grads, res.loss, res.probs, WindowStats(**stats, lior_nudge=relax.nudged_lior()))
+        return StepResult(grads, res.loss, res.probs, WindowStats(**stats, **relax.nudged_stats()))

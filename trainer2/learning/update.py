@@ -184,7 +184,8 @@ def fused_update(table: ParamTable, cfg: UpdateConfig, spec: MachineConfig):
     )
 
 
-# Sums over a log interval; `MetricSums.read` turns them into the logged means.
+# Sums over a log interval; `MetricSums.read` turns them into the logged means. Checkpoints keep them (one tensor for
+# the first ones, one for each added later, so checkpoints written before an addition still load).
 METRICS = (
     "windows",
     "examples",
@@ -200,7 +201,9 @@ METRICS = (
     "update_norm_readout",
     "update_norm_embed",
     "nonfinite_params",
+    "spd_last_nudge",
 )
+ADDED_METRICS = ("spd_last_nudge",)  # the last ones of METRICS, added after checkpoints held the others
 
 
 class MetricSums:
@@ -215,6 +218,15 @@ class MetricSums:
         if named.keys() != set(METRICS):
             raise KeyError(f"metrics {sorted(named)} do not match {sorted(METRICS)}")
         self.values.add_(torch.stack([named[k] for k in METRICS]))
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The sums by checkpoint key, views that loading copies into: "metrics" (the metrics checkpoints have always
+        held) and "metrics.<name>" for each added later (absent from older checkpoints, where it restarts at 0)."""
+        first = len(METRICS) - len(ADDED_METRICS)
+        return {
+            "metrics": self.values[:first],
+            **{f"metrics.{k}": self.values[first + i : first + i + 1] for i, k in enumerate(ADDED_METRICS)},
+        }
 
     def read(self, *extra: Tensor) -> tuple[dict[str, float], list[float]]:
         """(sums by name, values of the 0-dim `extra` tensors) in one device-to-host transfer; then reset."""
@@ -263,6 +275,7 @@ class Updater:
                 "spd_mean": st.spd_mean,
                 "spd_last": st.spd_last,
                 "lior_nudge": st.lior_nudge,
+                "spd_last_nudge": st.spd_last_nudge,
                 "R_mean": st.R_mean,
                 "dropped": 1.0 - ok,
                 **{
@@ -284,4 +297,4 @@ class Updater:
 
     def tensors(self) -> dict[str, Tensor]:
         """Update state and metric sums by checkpoint key."""
-        return {**self.state.tensors(self.table), "metrics": self.metrics.values}
+        return {**self.state.tensors(self.table), **self.metrics.tensors()}

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from trainer2.callbacks import LoopState
 from trainer2.monitor.profiling import PhaseTimer, WindowProfiler, timing_table
 from trainer2.monitor.progress import ProgressBar
-from trainer2.monitor.telemetry import Telemetry
+from trainer2.monitor.telemetry import Telemetry, residual_line
 from trainer2.monitor.tensorboard import TensorBoardLog
 from trainer2.physics.relaxation import Relaxation
 from trainer2.train_config import TrainConfig
@@ -174,6 +174,7 @@ class Monitor:
                 self.board.write(row)
             if self.cfg.timing_debug and self.writes:
                 tqdm.write(timing_table(window, {k: v for k, v in row.items() if k.startswith("time_")}))
+                tqdm.write(residual_line(row, self.cfg.eps))
 
     def on_window_end(self, state: LoopState) -> None:
         if self.cleaner is not None:

@@ -26,6 +26,14 @@ def _finite(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def residual_line(row: dict[str, Any], eps: float) -> str:
+    """Each phase's convergence residual over a log interval: its spd at the last step relative to the floor
+    sqrt(eps) (1.00x when settled)."""
+    floor = math.sqrt(eps)
+    free, nudged = row["spd_last"] / floor, row["spd_last_nudge"] / floor
+    return f"residual at the last step, spd / sqrt(eps): free {free:.3f}x, nudged {nudged:.3f}x"
+
+
 class Telemetry:
     """Appends one JSON object per line to <run_dir>/telemetry.jsonl (append: a resumed run continues the file).
 

@@ -23,6 +23,7 @@ TAGS = {
     "R_mean": "lior/R_mean",
     "spd_mean": "lior/spd_mean",
     "spd_last": "lior/spd_last",
+    "spd_last_nudge": "lior/spd_last_nudge",
     "lr": "update/lr",
     "dropped": "update/dropped",
     "dropped_total": "update/dropped_total",

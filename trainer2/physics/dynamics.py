@@ -8,7 +8,9 @@ here.) Two integrators, chosen once per run (`phase_function`):
 
 The fixed point is the leapfrog's exact special case dt = gamma = mass = 1 (the momentum is forgotten
 every step, so p = F and s + F is the local minimiser); it needs no momenta and no force buffers.
-Both update every layer from the previous state (Jacobi), so they give the same trajectory.
+Both update every layer from the previous state (Jacobi), so they give the same trajectory. The fixed point
+also runs in even/odd order (`even_odd_steps`): the odd layers h_1, h_3, ... (h_0 = x, q = h_{M+1}) from their
+neighbours, then the even layers from the new odd ones, each half step the exact minimiser of its layers.
 
 A workspace holds R rows: the batch (free phase) or the +beta and -beta nudged phases stacked (2B
 rows with a per-row beta, so both nudged phases cost one set of operators). Every tensor a step touches
@@ -30,19 +32,36 @@ from torch import Tensor
 from trainer2.physics.energy import Energy, forces
 from trainer2.physics.readout import ReadoutFrame, ReadoutScratch, readout_force
 
+ORDERS = ("jacobi", "even_odd")
+
 
 @dataclass(frozen=True)
 class Integrator:
     """Step size dt, damping gamma (0 = Stormer-Verlet, conserves energy) and mass; dt = gamma = mass = 1
-    is the fixed-point iteration s <- box(argmin of the local quadratic)."""
+    is the fixed-point iteration s <- box(argmin of the local quadratic). order: "jacobi" (every layer from the
+    previous state) or "even_odd" (odd layers, then even layers from the new odd ones; the fixed point only)."""
 
     dt: float
     gamma: float
     mass: float
+    order: str = "jacobi"
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"relaxation order must be one of {list(ORDERS)}, got {self.order!r}")
+        if self.even_odd and not self.fixed_point:
+            raise ValueError(
+                f"even/odd relaxation runs the fixed-point iteration only (dt = gamma = mass = 1), got dt {self.dt:g}, "
+                f"gamma {self.gamma:g}, mass {self.mass:g}"
+            )
 
     @property
     def fixed_point(self) -> bool:
         return self.dt == 1.0 and self.gamma == 1.0 and self.mass == 1.0
+
+    @property
+    def even_odd(self) -> bool:
+        return self.order == "even_odd"
 
 
 @dataclass
@@ -162,7 +181,9 @@ class Workspace:
     y: Tensor
     y1: Tensor  # [y | 1]
     qa: Tensor
-    temp: list[Tensor]  # (R, H_i) new lower hidden layers h_1..h_{M-1} (Jacobi); empty for one hidden layer
+    # (R, H_i) Jacobi: the new lower hidden layers h_1..h_{M-1} (empty for one hidden layer); even/odd: the staged
+    # layers (`staged_layers`), none for dense and average-pooled chains
+    temp: list[Tensor]
     zv: Tensor  # (R, n + 1)
     ny: Tensor  # (R, 1) |y|^2
     y_rows: Tensor  # (R, 1, n), y_cols (R, n, 1) and ny_batch (R, 1, 1): views for |y|^2 as one batched product
@@ -180,10 +201,18 @@ class Workspace:
 
     @staticmethod
     def allocate(
-        rows: int, sizes: list[int], num_candidates: int, steps: int, betas: list[float], like: Tensor, fixed: bool
+        rows: int,
+        sizes: list[int],
+        num_candidates: int,
+        steps: int,
+        betas: list[float],
+        like: Tensor,
+        fixed: bool,
+        temps: list[int] | None = None,
     ) -> "Workspace":
         """sizes = [H_1, ..., H_M, n]; betas: one nudging strength per block of rows (e.g. [0], [b] or [b, -b]);
-        fixed: for the fixed-point window (no momenta, no forces) rather than the leapfrog."""
+        fixed: for the fixed-point window (no momenta, no forces) rather than the leapfrog; temps: the widths of its
+        temp buffers (default: Jacobi's, H_1 .. H_{M-1})."""
         n, k = sizes[-1], num_candidates
 
         def new(*shape: int) -> Tensor:
@@ -219,7 +248,7 @@ class Workspace:
             y=y,
             y1=out[:, n + 1 : 2 * n + 2],
             qa=out[:, 2 * n + 2 :],
-            temp=[new(rows, h) for h in sizes[:-2]] if fixed else [],
+            temp=[new(rows, h) for h in (sizes[:-2] if temps is None else temps)] if fixed else [],
             zv=new(rows, n + 1),
             ny=ny,
             y_rows=y.unsqueeze(1),
@@ -264,18 +293,14 @@ def fixed_point_steps(run: PhaseRun) -> None:
     hidden layer). Nudged: [dq | 0 | y | 1 | qA] from q, the output coupling's pull (no bias: it is folded into
     b_nudge) added to dq, the readout's pull added from y and qA, q_{t+1} = q_t + dq. The steps' spd comes from
     the q history after the loop, in three operators for all of them."""
-    ws, fold, start, steps = run.ws, run.fold, run.start, run.steps
+    ws, start, steps = run.ws, run.start, run.steps
     s, c = ws.state.s, run.energy.couplings  # c[i] joins layer i - 1 (the input for i = 0) to layer i
     last = len(s) - 1
     top = s[last - 1]  # h_M is updated in place: only q reads it, and q's step is formed first
     ws.q_rows[start].copy_(s[last])
     for t in range(start, start + steps):
-        q, q_new = ws.q_rows[t], ws.q_rows[t + 1]
-        if run.nudged:
-            torch.addmm(fold.b_nudge, q, fold.mq_nudge, out=ws.out)  # [b - q | 0 | y | 1 | qA]
-            c[last].add_up(top, ws.dq)  # the pull of h_M into dq alone (y and qA do not see h_M)
-        else:
-            c[last].up(top, q_new)  # the minimiser in q: the pull of h_M
+        q = ws.q_rows[t]
+        q_step(run, top, q, ws.q_rows[t + 1])
         # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q; the
         # output coupling c[last] is dense, so its pull does not read the layer it writes).
         for i, out in enumerate(ws.temp):
@@ -292,15 +317,86 @@ def fixed_point_steps(run: PhaseRun) -> None:
             torch._foreach_clamp_min_(ws.temp, 0.0)
             torch._foreach_clamp_max_(ws.temp, 1.0)
             torch._foreach_copy_(s[: last - 1], ws.temp)
-        if run.nudged:
-            readout_nudge(ws, fold, run.one_hot)
-            torch.add(q, ws.dq, out=q_new)
-    s[last].copy_(ws.q_rows[start + steps])
-    # spd_t = |v_t L^T, sqrt(eps)| for the velocities v_t = q_{t+1} - q_t of these steps, all at once
-    end, rows = start + steps, ws.vel.shape[1]
+    record_speeds(run)
+
+
+def q_step(run: PhaseRun, top: Tensor, q: Tensor, q_new: Tensor) -> None:
+    """q_new = the minimiser in q given h_M = top: its pull W h_M + b, and nudged, plus the readout's pull at q
+    ([dq | 0 | y | 1 | qA] from q, W h_M added to dq without its bias, which b_nudge holds; q_new = q + dq)."""
+    c_out = run.energy.output
+    if run.nudged:
+        torch.addmm(run.fold.b_nudge, q, run.fold.mq_nudge, out=run.ws.out)  # [b - q | 0 | y | 1 | qA]
+        c_out.add_up(top, run.ws.dq)  # the pull of h_M into dq alone (y and qA do not see h_M)
+        readout_nudge(run.ws, run.fold, run.one_hot)
+        torch.add(q, run.ws.dq, out=q_new)
+    else:
+        c_out.up(top, q_new)
+
+
+def record_speeds(run: PhaseRun) -> None:
+    """After fixed-point steps start .. start + steps - 1: q into the state, and spd_t = |v_t L^T, sqrt(eps)| of the
+    velocities v_t = q_{t+1} - q_t of these steps into spd_hist, all at once (three operators)."""
+    ws, fold, start, end = run.ws, run.fold, run.start, run.start + run.steps
+    ws.state.s[-1].copy_(ws.q_rows[end])
+    rows = ws.vel.shape[1]
     torch.sub(ws.q_hist[start + 1 : end + 1], ws.q_hist[start:end], out=ws.vel[start:end])
     torch.addmm(fold.c, ws.vel_flat[start * rows : end * rows], fold.lt, out=ws.zv_flat[start * rows : end * rows])
     torch.linalg.vector_norm(ws.zv_hist[start:end], dim=2, out=ws.spd_hist[start:end])
+
+
+def halves(depth: int) -> tuple[list[int], list[int]]:
+    """The state layers s[j] = h_{j+1} of a chain of `depth` hidden layers (q = s[depth] = h_{M+1}) by parity: the odd
+    layers h_1, h_3, ... (j even), which move first, and the even ones h_2, h_4, ... (j odd)."""
+    return list(range(0, depth + 1, 2)), list(range(1, depth + 1, 2))
+
+
+def staged_layers(e: Energy) -> list[int]:
+    """The hidden layers j whose even/odd step goes through a temp buffer: those whose coupling above reads them (max
+    pooling places its pull at the argmax of the layer's current value), so the step forms that pull from the old
+    value before it writes the layer. Empty for dense and average-pooled chains."""
+    c = e.couplings
+    return [j for j in range(len(c) - 1) if c[j + 1].down_reads_below]
+
+
+def even_odd_steps(run: PhaseRun) -> None:
+    """Even/odd fixed-point steps: the odd layers h_1, h_3, ... move to box(pull from below + pull from above) from
+    their neighbours, then the even layers from the new odd ones (q = h_{M+1} with its parity; its step and the
+    readout's pull at the old q are fixed_point_steps'). Layers of one parity do not interact, so each half step is
+    the exact minimiser of E in its layers given the rest (block coordinate descent) and is written in place: no
+    temp copies, and about half the steps of the Jacobi sweep to a given residual. A layer under a max-pooled coupling
+    is staged through ws.temp instead (`staged_layers`); its half step uses the argmax of its old value (a majoriser's
+    minimiser, so E still falls), as the Jacobi sweep does. q_t is kept in ws.q_rows[t]; spd as fixed_point_steps."""
+    ws, start, steps = run.ws, run.start, run.steps
+    s, c = ws.state.s, run.energy.couplings
+    last = len(s) - 1
+    staged = dict(zip(staged_layers(run.energy), ws.temp, strict=True))
+    order = halves(last)
+    ws.q_rows[start].copy_(s[last])
+    for t in range(start, start + steps):
+        q_now, q_new = ws.q_rows[t], ws.q_rows[t + 1]
+        for half in order:
+            boxed = []  # the layers of this half written in place, clamped together
+            for j in half:
+                if j == last:
+                    q_step(run, s[last - 1], q_now, q_new)
+                    q_now = q_new  # the other half's h_M reads the new q
+                    continue
+                above = s[j + 1] if j + 1 < last else q_now
+                out = staged.get(j, s[j])
+                if j == 0:
+                    c[1].down(above, s[0], ws.drive, out)
+                else:
+                    c[j + 1].add_down(above, s[j], c[j].up(s[j - 1], out))
+                if out is s[j]:
+                    boxed.append(out)
+                else:
+                    torch.clamp(out, 0.0, 1.0, out=s[j])  # the clamp is the copy back
+            if len(boxed) == 1:
+                boxed[0].clamp_(0.0, 1.0)
+            elif boxed:
+                torch._foreach_clamp_min_(boxed, 0.0)
+                torch._foreach_clamp_max_(boxed, 1.0)
+    record_speeds(run)
 
 
 def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
@@ -357,4 +453,6 @@ def set_nudge_scale(ws: Workspace, fold: FoldedFrame, integ: Integrator) -> None
 
 def phase_function(integ: Integrator) -> PhaseFn:
     """The integrator's steps, chosen once per run."""
+    if integ.even_odd:
+        return even_odd_steps
     return fixed_point_steps if integ.fixed_point else leapfrog_steps

@@ -25,6 +25,7 @@ from trainer2.physics.dynamics import (
     Workspace,
     fold_frame,
     set_nudge_scale,
+    staged_layers,
 )
 from trainer2.physics.energy import input_drive
 from trainer2.physics.kernels.backend import choose_backend, make_phase_function
@@ -56,6 +57,13 @@ class DynamicsConfig(Section):
     dt: float = Field(1.0, gt=0.0, description="Integrator step size.")
     gamma: float = Field(1.0, ge=0.0, description="Damping; 0 = energy-conserving Stormer-Verlet (diagnostics only).")
     mass: float = Field(1.0, gt=0.0, description="Mass of every state coordinate.")
+    relaxation: Literal["jacobi", "even_odd"] = Field(
+        "jacobi",
+        description="Order of the fixed-point steps: 'jacobi' moves every layer from its neighbours' old values; "
+        "'even_odd' moves the odd layers (h_1, h_3, ...) from their neighbours, then the even ones from the new odd "
+        "ones (block coordinate descent: about half the steps to a given residual). even_odd needs dt = gamma = "
+        "mass = 1.",
+    )
     window_backend: Literal["auto", "torch", "triton"] = Field(
         "auto",
         description="Relaxation phases: 'torch' operators, or 'triton' (one kernel launch per phase; needs the kernels "
@@ -74,19 +82,27 @@ class DynamicsConfig(Section):
                 f"mass {self.mass:g}): beyond it the leapfrog step is unstable on the energy's unit stiffness and the "
                 "free phase can never settle; lower dt or gamma, or raise mass (dt = gamma = mass = 1 is the default)"
             )
+        if self.relaxation == "even_odd" and not self.dt == self.gamma == self.mass == 1.0:
+            raise ValueError(
+                f"relaxation even_odd runs the fixed-point steps only (dt = gamma = mass = 1), this run has dt "
+                f"{self.dt:g}, gamma {self.gamma:g}, mass {self.mass:g}: the leapfrog moves every layer at once "
+                "(--relaxation jacobi)"
+            )
         return self
 
 
 @dataclass
 class WindowStats:
-    """Window observables, each a 0-dim tensor: free-phase LIoR path length, mean and last spd, mean R_sc
-    (batch means), and the nudged phases' path length (0 when a gradient source runs no nudged phase)."""
+    """Window observables, each a 0-dim tensor: free-phase LIoR path length, mean and last spd (the free phase's
+    convergence residual), mean R_sc (batch means), and the nudged phases' path length and last spd (their residual;
+    both 0 when a gradient source runs no nudged phase)."""
 
     lior_mean: Tensor
     spd_mean: Tensor
     spd_last: Tensor
     R_mean: Tensor
     lior_nudge: Tensor
+    spd_last_nudge: Tensor
 
 
 @dataclass
@@ -109,7 +125,7 @@ class Relaxation:
         like = machine.readout.protos
         sizes = machine.state_sizes()
         num_cand = machine.num_classes + (0 if memory is None else memory.coords.shape[0])
-        self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass)
+        self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass, cfg.relaxation)  # the one place the order is read
         # The relaxation's backend (torch operators, or one Triton launch per phase), chosen once per run, not per step
         kinds = machine.energy.kinds()
         self.backend = choose_backend(cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds)
@@ -117,9 +133,10 @@ class Relaxation:
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
         self.nudge = NudgeScheme(cfg.beta_nudge, cfg.symmetric_nudge)
         fixed = self.integ.fixed_point
-        self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed)
+        temps = [sizes[j] for j in staged_layers(machine.energy)] if self.integ.even_odd else None
+        self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed, temps)
         self.ws_nudged = Workspace.allocate(
-            self.nudge.phases * batch, sizes, num_cand, cfg.nudge_steps, self.nudge.betas, like, fixed
+            self.nudge.phases * batch, sizes, num_cand, cfg.nudge_steps, self.nudge.betas, like, fixed, temps
         )
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
         self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, machine.spec.eps, like)
@@ -179,6 +196,12 @@ class Relaxation:
     def nudged_lior(self) -> Tensor:
         """Mean LIoR path length of the nudged phases (0-dim), after nudged_phases."""
         return self.lior(self.ws_nudged.spd_hist.mean(), self.cfg.nudge_steps)
+
+    def nudged_stats(self) -> dict[str, Tensor]:
+        """The nudged phases' observables (after nudged_phases), 0-dim: their LIoR path length and their spd at the
+        last step, the mean over the rows of every nudged phase (their convergence residual, as spd_last is the
+        free phase's)."""
+        return {"lior_nudge": self.nudged_lior(), "spd_last_nudge": self.ws_nudged.spd_rows[-1].mean()}
 
     def lior(self, spd_mean: Tensor, steps: int) -> Tensor:
         """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean."""

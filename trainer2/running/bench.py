@@ -14,6 +14,7 @@ and per batch step from torch.profiler over one batch step, and the Triton launc
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import sys
 import time
@@ -251,11 +252,14 @@ def measure(
 @dataclass
 class WindowCost:
     """Eager cost of one batch step, by part: kernels (ops on CPU) per relaxation step in the free and the
-    nudged window (the nudged window relaxes every nudged phase at once), and milliseconds per phase."""
+    nudged window (the nudged window relaxes every nudged phase at once), and milliseconds per phase; and each
+    phase's convergence residual, its spd at the last step relative to the floor sqrt(eps), in the last window."""
 
     free_ops: float
     nudged_ops: float
     phase_ms: dict[str, float]
+    free_residual: float
+    nudged_residual: float
 
 
 @torch.no_grad()
@@ -277,10 +281,14 @@ def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: in
     for x, y in feed[2:]:
         runner.step(x, y)
     times = timer.collect(windows)
+    floor = math.sqrt(cfg.eps)
+    free_res, nudged_res = (float(ws.spd_rows[-1].mean()) / floor for ws in (relax.ws, relax.ws_nudged))
     return WindowCost(
         k_free / cfg.free_steps,
         k_nudged / cfg.nudge_steps,
         {k.removeprefix("time_").removesuffix("_ms"): v for k, v in times.items()},
+        free_res,
+        nudged_res,
     )
 
 
@@ -310,7 +318,7 @@ def report(
         f"machine: layers {cfg.layers}, n {cfg.coord_dim_n}, context {cfg.context_len}x{cfg.embed_dim}, "
         f"memory {cfg.memory_capacity}; "
         f"window: {cfg.free_steps} free + {'2x' if cfg.symmetric_nudge else ''}{cfg.nudge_steps} nudged = "
-        f"{relax_steps(cfg)} relaxation steps",
+        f"{relax_steps(cfg)} relaxation steps ({cfg.relaxation} order)",
         f"timed: {windows} windows per mode in interleaved rounds, after {warmup} warm-up windows "
         f"(excluded; setup_s = warm-up incl. compile/capture); {'CUDA events' if cuda else 'perf_counter'}",
         "",
@@ -340,6 +348,8 @@ def report(
         f"({'both nudged phases stacked in one batch' if cfg.symmetric_nudge else 'one nudged phase'}).",
         f"eager phases, ms per window at batch {rows[0].batch if rows else '-'}: "
         + ", ".join(f"{k} {v:.3f}" for k, v in cost.phase_ms.items()),
+        f"residual at the last step, spd / sqrt(eps) (the last of those windows, from the initial machine): "
+        f"free {cost.free_residual:.3f}x, nudged {cost.nudged_residual:.3f}x (1x: settled)",
     ]
     if not cuda:
         lines.append(

@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +82,27 @@ RESUME_FREE_FIELDS = frozenset(
 
 
 # Fields added after checkpoints were first written, with the value that reproduces what those checkpoints' runs
-# did: a checkpoint without the field is compared as if it held this value.
-ADDED_FIELDS: dict[str, Any] = {"augment_shift": 0, "data_format": "auto"}
+# did: a checkpoint without the field is compared, resumed and evaluated as if it held this value.
+ADDED_FIELDS: dict[str, Any] = {"augment_shift": 0, "data_format": "auto", "relaxation": "jacobi"}
+
+
+def saved_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config as the lowest layer of a run built from it: a field added since it was written takes the
+    value its run used (ADDED_FIELDS), not today's default, with a note where the default has changed since."""
+    out = dict(config)
+    for field, value in ADDED_FIELDS.items():
+        if field in out:
+            continue
+        out[field] = value
+        default = TrainConfig.model_fields[field].default
+        if value != default:
+            warnings.warn(
+                f"{field}: the checkpoint predates this field, so it goes on with {field} {value!r} as its run did; "
+                f"the default is now {default!r}",
+                FutureWarning,
+                stacklevel=2,
+            )
+    return out
 
 
 class CheckpointError(ValueError):

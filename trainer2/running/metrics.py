@@ -11,6 +11,7 @@ WINDOW_MEANS = (
     "spd_mean",
     "spd_last",
     "lior_nudge",
+    "spd_last_nudge",
     "R_mean",
     "dropped",
     "update_norm_energy",

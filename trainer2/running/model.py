@@ -23,7 +23,14 @@ from trainer2.data.load import DataConfig, load_data
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.relaxation import DynamicsConfig, Relaxation
-from trainer2.running.checkpoint import CheckpointError, check_data, data_fingerprint, load_checked, read_meta
+from trainer2.running.checkpoint import (
+    CheckpointError,
+    check_data,
+    data_fingerprint,
+    load_checked,
+    read_meta,
+    saved_config,
+)
 from trainer2.running.evaluation import EVAL_BATCH, heldout_metrics, relaxation_cache
 from trainer2.running.parts import build_machine_for, resolve_device
 from trainer2.section import ConfigError
@@ -114,7 +121,7 @@ def load(path: str | Path, device: str | None = None, **overrides: Any) -> Model
     try:
         cfg = build_config(
             [
-                (f"checkpoint {path}", meta["config"]),
+                (f"checkpoint {path}", saved_config(meta["config"])),
                 ("arguments", {**overrides, **({"device": device} if device else {})}),
             ]
         )

@@ -23,6 +23,7 @@ from trainer2.running.checkpoint import (
     list_checkpoints,
     read_meta,
     resolve_checkpoint,
+    saved_config,
     step_of,
 )
 from trainer2.running.rundir import RUN_FILES, RunDirError, fresh_name, newest_run, owner, run_files
@@ -95,10 +96,11 @@ def resume_target(spec: str, layers: Layers) -> Path:
 
 
 def resume_layers(path: Path, meta: dict[str, Any], layers: Layers, run_dir: Path) -> Layers:
-    """The layers of a run resumed from checkpoint `path` into `run_dir`: the checkpoint's config without its
-    location (a copied checkpoint's paths mean nothing here), run_dir as the location, then the user's layers
-    (which, where they name a location, named run_dir: see resume_target)."""
-    saved = {k: v for k, v in meta["config"].items() if k not in LOCATION}
+    """The layers of a run resumed from checkpoint `path` into `run_dir`: the checkpoint's config (fields added since
+    at the values its run used: checkpoint.saved_config) without its location (a copied checkpoint's paths mean
+    nothing here), run_dir as the location, then the user's layers (which, where they name a location, named run_dir:
+    see resume_target)."""
+    saved = {k: v for k, v in saved_config(meta["config"]).items() if k not in LOCATION}
     location = {"checkpoint_dir": str(run_dir.parent), "run_name": run_dir.name}
     return [(f"checkpoint {path}", saved), ("the run directory", location), *layers]
 

@@ -26,7 +26,7 @@ from trainer2.data.sampler import Sampler, sampler_state
 from trainer2.learning.gradients import GradientSource, ep_gradients
 from trainer2.learning.params import ParamTable
 from trainer2.learning.step import BatchStep, build_step
-from trainer2.learning.update import UpdateConfig, lr_at
+from trainer2.learning.update import ADDED_METRICS, UpdateConfig, lr_at
 from trainer2.monitor.monitor import Monitor
 from trainer2.monitor.progress import ProgressBar
 from trainer2.physics.dead_units import dead_units
@@ -279,15 +279,14 @@ class Trainer:
         """Restore the run from checkpoint directory `path` in place; everything is checked before anything is
         copied, and a captured graph is captured again after warm-up."""
         path = Path(path)
-        optional = frozenset({"rng.cuda"}) | SAMPLER_KEYS
-        loaded, meta = ck.load_checked(
-            path, self.cfg, ck.data_fingerprint(self.data), self.checkpoint_tensors(), optional=optional
-        )
+        optional = frozenset({"rng.cuda", *(f"metrics.{k}" for k in ADDED_METRICS)}) | SAMPLER_KEYS  # older: absent
+        fingerprint = ck.data_fingerprint(self.data)
+        loaded, meta = ck.load_checked(path, self.cfg, fingerprint, self.checkpoint_tensors(), optional=optional)
         check_sampler(loaded, self.sampler, path)
         resume_notes(meta, self.data, path, self.log)
         check_global_batch(meta, path, self.cfg.batch_size, self.dist.world_size)
-        for k, dst in self.state_tensors().items():
-            dst.copy_(loaded[k])
+        for k, dst in self.state_tensors().items():  # a metric sum added since the checkpoint (ADDED_METRICS): from 0
+            dst.copy_(loaded[k]) if k in loaded else dst.zero_()
         self.sampler.load_state_dict(sampler_state(loaded))
         restore_rng(loaded, self.device)
         restore_counters(self.progress, meta)

@@ -205,6 +205,10 @@ class Conv:
         self.image(out).add_(self.adjoint(above, below))
         return out
 
+    @property
+    def down_reads_below(self) -> bool:
+        return self.maxpool  # the argmax of conv_K(below) places the pull; average pooling is bilinear
+
     def energy(self, below: Tensor, above: Tensor) -> Tensor:
         """Written as the textbook conv then pool (not the fused kernel), so tests check one against the other."""
         x = below.reshape(below.shape[0], *self.below_shape)

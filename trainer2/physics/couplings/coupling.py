@@ -70,6 +70,11 @@ class Coupling(Protocol):
         """out += the pull of `above` (R, above) on the layer below, whose current value is `below`."""
 
     @property
+    def down_reads_below(self) -> bool:
+        """Whether the pull on the layer below reads that layer's own value (max pooling): a step that moves the layer
+        below must then form that pull before it overwrites the layer."""
+
+    @property
     def bias(self) -> Tensor:
         """(above,) the constant part of its pull on the layer above."""
 

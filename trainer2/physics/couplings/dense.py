@@ -94,6 +94,10 @@ class Dense:
     def add_down(self, above: Tensor, below: Tensor, out: Tensor) -> Tensor:
         return out.addmm_(above, self.weight)
 
+    @property
+    def down_reads_below(self) -> bool:
+        return False  # bilinear
+
     def energy(self, below: Tensor, above: Tensor) -> Tensor:
         return -(above * (below @ self.weight.T + self.bias_)).sum(1)
 

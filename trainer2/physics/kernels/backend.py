@@ -146,7 +146,8 @@ def choose_update_backend(requested: str, device: torch.device, dtype: torch.dty
 
 
 class TritonWindow:
-    """The fixed-point steps of a phase as one Triton launch per call, a PhaseFn like fixed_point_steps. `launches`
+    """The fixed-point steps of a phase (Jacobi or even/odd, by the run's integrator) as one Triton launch per call, a
+    PhaseFn like fixed_point_steps. `launches`
     counts the calls (a Python int, no tensor work), so a test can prove the kernels ran rather than a silent
     fallback."""
 
@@ -159,9 +160,9 @@ class TritonWindow:
 
     def __call__(self, run: PhaseRun) -> None:
         if run.nudged:
-            self.nudged(run.ws, run.energy, run.fold, run.start, run.steps, run.one_hot)
+            self.nudged(run.ws, run.energy, run.fold, run.start, run.steps, run.one_hot, run.integ.even_odd)
         else:
-            self.free(run.ws, run.energy, run.fold, run.start, run.steps)
+            self.free(run.ws, run.energy, run.fold, run.start, run.steps, run.integ.even_odd)
         self.launches += 1
 
 

@@ -1,5 +1,6 @@
-"""Triton helpers both relaxation kernels share: loading a padded tile, an exact product, and one Jacobi step of the
-hidden chain h_1..h_M (M = 1, 2 or 3) with the box clamp. Imported only once triton is (see kernels/backend.py)."""
+"""Triton helpers both relaxation kernels share: loading a padded tile, an exact product, and one step of the hidden
+chain h_1..h_M (M = 1, 2 or 3) with the box clamp, Jacobi or in even/odd halves. Imported only once triton is (see
+kernels/backend.py)."""
 
 import triton
 import triton.language as tl
@@ -181,6 +182,35 @@ def hidden_step(h1, h2, h3, q, drive, w2, w3, wo, b2, b3, DEPTH: tl.constexpr):
         n2 = box(b2[None, :] + mm(h1, tl.trans(w2)) + mm(h3, w3))
         n3 = box(b3[None, :] + mm(h2, tl.trans(w3)) + mm(q, wo))
     return n1, n2, n3
+
+
+@triton.jit
+def odd_half(h1, h2, h3, q, drive, w2, w3, wo, b3, DEPTH: tl.constexpr):
+    """The first half of an even/odd step (what even_odd_steps does): the odd hidden layers h_1 and h_3 from their
+    neighbours, h_2 and q as they are. q = h_{M+1} is odd too for DEPTH 2; its step is the caller's."""
+    if DEPTH == 1:
+        n1 = box(drive + mm(q, wo))
+        n3 = h3
+    elif DEPTH == 2:
+        n1 = box(drive + mm(h2, w2))
+        n3 = h3
+    else:
+        n1 = box(drive + mm(h2, w2))
+        n3 = box(b3[None, :] + mm(h2, tl.trans(w3)) + mm(q, wo))
+    return n1, n3
+
+
+@triton.jit
+def even_half(h1, h2, h3, q, w2, w3, wo, b2, DEPTH: tl.constexpr):
+    """The second half: h_2 (DEPTH 2 and 3) from the new h_1 and h_3, or the new q for DEPTH 2; q = h_{M+1} is even
+    for DEPTH 1 and 3, and its step is the caller's (after this half, from the new h_M)."""
+    if DEPTH == 1:
+        n2 = h2
+    elif DEPTH == 2:
+        n2 = box(b2[None, :] + mm(h1, tl.trans(w2)) + mm(q, wo))
+    else:
+        n2 = box(b2[None, :] + mm(h1, tl.trans(w2)) + mm(h3, w3))
+    return n2
 
 
 @triton.jit

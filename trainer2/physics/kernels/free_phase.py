@@ -1,5 +1,6 @@
 """The free relaxation phase as one Triton launch: all T fixed-point steps of the whole hidden chain, q's step, the
-q history and each step's spd. Its torch reference is trainer2.physics.dynamics.fixed_point_steps (nudged=False).
+q history and each step's spd. Its torch reference is trainer2.physics.dynamics.fixed_point_steps (nudged=False), or
+even_odd_steps with EVEN_ODD.
 
 Each program owns BLOCK_ROWS batch rows (rows are independent while relaxing) and keeps them in registers for the
 whole window; W_out and L^T are loaded once, the hidden-to-hidden couplings are re-read every step (from cache)."""
@@ -13,11 +14,13 @@ from trainer2.physics.dynamics import FoldedFrame, Workspace
 from trainer2.physics.energy import Energy
 from trainer2.physics.kernels.chain import (
     chain_args,
+    even_half,
     hidden_step,
     load_chain,
     load_couplings,
     load_tile,
     mm,
+    odd_half,
     row_major,
     speed,
     store_chain,
@@ -53,6 +56,7 @@ def free_phase_kernel(
     N,
     HM,
     DEPTH: tl.constexpr,
+    EVEN_ODD: tl.constexpr,
     BR: tl.constexpr,
     P1: tl.constexpr,
     P2: tl.constexpr,
@@ -89,17 +93,25 @@ def free_phase_kernel(
     store_rows(qh_ptr + start * rows * N, q, r, rows, N, NP)
     for t in range(start, start + steps):
         w2, w3 = load_couplings(w2_ptr, w3_ptr, wo, H1, H2, H3, DEPTH, P1, P2, P3)
-        q_new = mm(top_layer(h1, h2, h3, DEPTH), tl.trans(wo)) + bo[None, :]  # the minimiser in q from the old h_M
-        h1, h2, h3 = hidden_step(h1, h2, h3, q, drive, w2, w3, wo, b2, b3, DEPTH)
+        if EVEN_ODD:  # odd layers, then q (its h_M is new for DEPTH 1 and 3, old for 2), then h_2 from them
+            h1, h3 = odd_half(h1, h2, h3, q, drive, w2, w3, wo, b3, DEPTH)
+            q_new = mm(top_layer(h1, h2, h3, DEPTH), tl.trans(wo)) + bo[None, :]
+            h2 = even_half(h1, h2, h3, q_new, w2, w3, wo, b2, DEPTH)
+        else:
+            q_new = mm(top_layer(h1, h2, h3, DEPTH), tl.trans(wo)) + bo[None, :]  # the minimiser in q, old h_M
+            h1, h2, h3 = hidden_step(h1, h2, h3, q, drive, w2, w3, wo, b2, b3, DEPTH)
         store_rows(qh_ptr + (t + 1) * rows * N, q_new, r, rows, N, NP)
         tl.store(spd_ptr + t * rows + r, speed(q_new - q, lt, c_eps), mask=r < rows)
         q = q_new
     store_chain(h1_ptr, h2_ptr, h3_ptr, q_ptr, h1, h2, h3, q, r, rows, H1, H2, H3, N, DEPTH, P1, P2, P3, NP)
 
 
-def free_window(ws: Workspace, params: Energy, fold: FoldedFrame, start: int, steps: int) -> None:
-    """`steps` free fixed-point steps from ws.state in one launch; fills ws.q_hist[start:start + steps + 1] and
-    ws.spd_hist[start:start + steps] as fixed_point_steps does (its ws.vel and ws.zv_hist scratch stays untouched)."""
+def free_window(
+    ws: Workspace, params: Energy, fold: FoldedFrame, start: int, steps: int, even_odd: bool = False
+) -> None:
+    """`steps` free fixed-point steps from ws.state in one launch, Jacobi or even/odd; fills
+    ws.q_hist[start:start + steps + 1] and ws.spd_hist[start:start + steps] as fixed_point_steps (even_odd_steps) does
+    (its ws.vel and ws.zv_hist scratch stays untouched)."""
     args = chain_args(ws, params)
     row_major(fold.lt, fold.c)
     grid = (triton.cdiv(args["rows"], args["BR"]),)
@@ -111,5 +123,6 @@ def free_window(ws: Workspace, params: Energy, fold: FoldedFrame, start: int, st
         spd_ptr=ws.spd_hist,
         start=start,
         steps=steps,
+        EVEN_ODD=even_odd,
         **args,
     )

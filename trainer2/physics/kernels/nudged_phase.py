@@ -1,7 +1,7 @@
 """The stacked +beta/-beta nudged phase as one Triton launch: all T fixed-point steps of the hidden chain, and q's
 step with the readout's pull inside the loop (distances to every candidate under the metric, the softmax, the one-hot
 or memory-bank mask, each row's beta), the q history and each step's spd. Its torch reference is
-trainer2.physics.dynamics.fixed_point_steps (nudged=True) with readout_nudge.
+trainer2.physics.dynamics.fixed_point_steps (nudged=True) with readout_nudge, or even_odd_steps with EVEN_ODD.
 
 Each program owns BLOCK_ROWS rows of the stacked workspace; a row's beta comes in through its beta_col, so the two
 phases are the same program on different rows."""
@@ -16,12 +16,14 @@ from trainer2.physics.energy import Energy
 from trainer2.physics.kernels.chain import (
     chain_args,
     div_ieee,
+    even_half,
     hidden_step,
     load_chain,
     load_couplings,
     load_rows,
     load_tile,
     mm,
+    odd_half,
     padded,
     row_major,
     speed,
@@ -94,6 +96,7 @@ def nudged_phase_kernel(
     HM,
     K,
     DEPTH: tl.constexpr,
+    EVEN_ODD: tl.constexpr,
     ONE_HOT: tl.constexpr,
     BR: tl.constexpr,
     P1: tl.constexpr,
@@ -143,19 +146,28 @@ def nudged_phase_kernel(
     store_rows(qh_ptr + start * rows * N, q, r, rows, N, NP)
     for t in range(start, start + steps):
         w2, w3 = load_couplings(w2_ptr, w3_ptr, wo, H1, H2, H3, DEPTH, P1, P2, P3)
-        dq = bo[None, :] - q + mm(top_layer(h1, h2, h3, DEPTH), tl.trans(wo))  # W h_M + b - q from the old h_M
-        h1, h2, h3 = hidden_step(h1, h2, h3, q, drive, w2, w3, wo, b2, b3, DEPTH)
-        dq += readout_pull(q, lt, a, yc_t, cc, c, bias, neg_scale, mask, beta, neg_beta, r < rows, K, ONE_HOT, KP)
-        q_new = q + dq
+        if EVEN_ODD:  # odd layers, then q (from h_M as it is then), then h_2 from them; the pull is at the old q
+            h1, h3 = odd_half(h1, h2, h3, q, drive, w2, w3, wo, b3, DEPTH)
+            dq = bo[None, :] - q + mm(top_layer(h1, h2, h3, DEPTH), tl.trans(wo))
+            dq += readout_pull(q, lt, a, yc_t, cc, c, bias, neg_scale, mask, beta, neg_beta, r < rows, K, ONE_HOT, KP)
+            q_new = q + dq
+            h2 = even_half(h1, h2, h3, q_new, w2, w3, wo, b2, DEPTH)
+        else:
+            dq = bo[None, :] - q + mm(top_layer(h1, h2, h3, DEPTH), tl.trans(wo))  # W h_M + b - q from the old h_M
+            h1, h2, h3 = hidden_step(h1, h2, h3, q, drive, w2, w3, wo, b2, b3, DEPTH)
+            dq += readout_pull(q, lt, a, yc_t, cc, c, bias, neg_scale, mask, beta, neg_beta, r < rows, K, ONE_HOT, KP)
+            q_new = q + dq
         store_rows(qh_ptr + (t + 1) * rows * N, q_new, r, rows, N, NP)
         tl.store(spd_ptr + t * rows + r, speed(q_new - q, lt, c_eps), mask=r < rows)
         q = q_new
     store_chain(h1_ptr, h2_ptr, h3_ptr, q_ptr, h1, h2, h3, q, r, rows, H1, H2, H3, N, DEPTH, P1, P2, P3, NP)
 
 
-def nudged_window(ws: Workspace, params: Energy, fold: FoldedFrame, start: int, steps: int, one_hot: bool) -> None:
-    """`steps` nudged fixed-point steps of every stacked row of ws in one launch (beta per row from set_nudge_scale);
-    fills ws.q_hist and ws.spd_hist as fixed_point_steps does."""
+def nudged_window(
+    ws: Workspace, params: Energy, fold: FoldedFrame, start: int, steps: int, one_hot: bool, even_odd: bool = False
+) -> None:
+    """`steps` nudged fixed-point steps of every stacked row of ws in one launch (beta per row from set_nudge_scale),
+    Jacobi or even/odd; fills ws.q_hist and ws.spd_hist as fixed_point_steps (even_odd_steps) does."""
     args = chain_args(ws, params)
     row_major(
         fold.lt,
@@ -191,6 +203,7 @@ def nudged_window(ws: Workspace, params: Energy, fold: FoldedFrame, start: int, 
         start=start,
         steps=steps,
         K=k,
+        EVEN_ODD=even_odd,
         ONE_HOT=one_hot,
         KP=padded(k),
         **args,
