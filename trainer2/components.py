@@ -1,4 +1,5 @@
-"""Components found by name: the couplings of an energy and the readers of data formats.
+"""Components found by name: the couplings of an energy, the costs of its output, the learning rules and the readers
+of data formats.
 
 A name is a built-in's short name (`dense`, `npz`) or a dotted path `module.Name` to a class in the user's own module
 (torchtune's `_component_` convention), imported when it is first resolved. The name as written is what config.yaml
@@ -17,6 +18,19 @@ BUILTIN: dict[str, dict[str, str]] = {
     "coupling": {
         "dense": "trainer2.physics.couplings.dense.Dense",
         "conv": "trainer2.physics.couplings.conv.Conv",
+    },
+    "cost": {
+        "retrieval": "trainer2.physics.costs.retrieval.Retrieval",
+        "mse": "trainer2.physics.costs.mse.MSE",
+        "cross_entropy": "trainer2.physics.costs.cross_entropy.CrossEntropy",
+    },
+    "rule": {
+        "ep": "trainer2.learning.rules.ep.EP",
+        "ep_positive": "trainer2.learning.rules.ep.EPPositive",
+        "ep_negative": "trainer2.learning.rules.ep.EPNegative",
+        "chl": "trainer2.learning.rules.chl.CHL",
+        "coupled": "trainer2.learning.rules.coupled.Coupled",
+        "rbp": "trainer2.learning.rules.rbp.RBP",
     },
     "data format": {
         "builtin": "trainer2.data.text.BuiltinCorpus",
@@ -40,6 +54,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "ep_grads",
         "cap_power",
     ),
+    "cost": ("frame", "force", "target", "scores", "loss_and_grads", "folded", "memory_bank", "uses_target"),
+    "rule": ("scheme", "gradients"),
     "data format": ("recognises", "load"),
 }
 
@@ -54,8 +70,8 @@ def builtin_names(kind: str) -> list[str]:
 
 
 def resolve(kind: str, name: str) -> Any:
-    """The component `name` of `kind` ("coupling", "data format"): a built-in by short name, or the object a dotted
-    path `module.Name` names. Any failure is a ComponentError naming `name`."""
+    """The component `name` of `kind` ("coupling", "cost", "rule", "data format"): a built-in by short name, or the
+    object a dotted path `module.Name` names. Any failure is a ComponentError naming `name`."""
     if not isinstance(name, str) or not name:
         raise ComponentError(f"a {kind} name must be a non-empty string, got {name!r}")
     path = BUILTIN[kind].get(name, name)

@@ -12,10 +12,12 @@ Both update every layer from the previous state (Jacobi), so they give the same 
 also runs in even/odd order (`even_odd_steps`): the odd layers h_1, h_3, ... (h_0 = x, q = h_{M+1}) from their
 neighbours, then the even layers from the new odd ones, each half step the exact minimiser of its layers.
 
-A workspace holds R rows: the batch (free phase) or the +beta and -beta nudged phases stacked (2B
-rows with a per-row beta, so both nudged phases cost one set of operators). Every tensor a step touches
-lives in the workspace; a step allocates nothing, never syncs with the host and never branches on a
-tensor value, so a whole window can be captured as a CUDA graph and replayed. The speed of the velocity,
+A workspace holds R rows: the batch (free phase) or the nudged phases stacked (2B rows for +beta and -beta, with a
+per-row strength, so both nudged phases cost one set of operators). A nudged phase moves q by its cost's pull (the
+retrieval cost's is folded into a few matrices for the fixed point, `readout_nudge`; any other cost's is its force
+dloss/dq, `q_forced`) or holds q clamped (`q_clamped`, the clamping rules); which one is chosen once per phase run.
+Every tensor a step touches lives in the workspace; a step allocates nothing, never syncs with the host and never
+branches on a tensor value, so a whole window can be captured as a CUDA graph and replayed. The speed of the velocity,
 spd = sqrt(g(v, v) + eps), fills one row of `spd_hist` per step (the fixed point forms every row after its
 loop, from the q it keeps per step); the LIoR path length is R_sc dt sum(spd) and is formed once, after the phase.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -197,6 +199,9 @@ class Workspace:
     # leapfrog (and scoring)
     force: list[Tensor]  # (R, H_i) -dE/ds_i; empty for the fixed point
     gnudge: Tensor  # (R, n) dloss/dq
+    target: (
+        Tensor  # (R, n) the cost's target point (c_y) per row, set per batch where a cost's force or a clamp reads it
+    )
     readout: ReadoutScratch
 
     @staticmethod
@@ -261,15 +266,21 @@ class Workspace:
             py=new(rows, 1),
             force=[] if fixed else [new(rows, h) for h in sizes],
             gnudge=new(rows, n),
+            target=new(rows, n),
             readout=ReadoutScratch.allocate(rows, n, k, like),
         )
+
+
+Force = Callable[[Tensor, Tensor], Tensor]  # (q (R, n), out (R, n)) -> out = dloss/dq of each row, allocation-free
 
 
 @dataclass(frozen=True)
 class PhaseRun:
     """One run of the relaxation loop: `steps` steps (start .. start + steps - 1 of the phase) from ws.state over
     the energy; the readout enters through its frame (leapfrog) or its folded matrices (fixed point); nudged rows
-    are pulled toward their targets; one_hot: every label has exactly one candidate (no memory bank)."""
+    are pulled toward their targets; one_hot: every label has exactly one candidate (no memory bank). force: the
+    cost's dloss/dq for a nudged phase (None: the retrieval readout's, folded in the fixed point); clamp: the nudged
+    rows hold q where it is. q_step, the fixed point's step of q, follows from them once per run."""
 
     ws: Workspace
     energy: Energy
@@ -280,6 +291,18 @@ class PhaseRun:
     steps: int
     nudged: bool
     one_hot: bool
+    force: Force | None = None
+    clamp: bool = False
+    q_step: Callable[["PhaseRun", Tensor, Tensor, Tensor], None] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.nudged:
+            step = q_free
+        elif self.clamp:
+            step = q_clamped
+        else:
+            step = q_folded if self.force is None else q_forced
+        object.__setattr__(self, "q_step", step)
 
 
 PhaseFn = Callable[[PhaseRun], None]
@@ -300,7 +323,7 @@ def fixed_point_steps(run: PhaseRun) -> None:
     ws.q_rows[start].copy_(s[last])
     for t in range(start, start + steps):
         q = ws.q_rows[t]
-        q_step(run, top, q, ws.q_rows[t + 1])
+        run.q_step(run, top, q, ws.q_rows[t + 1])
         # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q; the
         # output coupling c[last] is dense, so its pull does not read the layer it writes).
         for i, out in enumerate(ws.temp):
@@ -320,17 +343,29 @@ def fixed_point_steps(run: PhaseRun) -> None:
     record_speeds(run)
 
 
-def q_step(run: PhaseRun, top: Tensor, q: Tensor, q_new: Tensor) -> None:
-    """q_new = the minimiser in q given h_M = top: its pull W h_M + b, and nudged, plus the readout's pull at q
-    ([dq | 0 | y | 1 | qA] from q, W h_M added to dq without its bias, which b_nudge holds; q_new = q + dq)."""
-    c_out = run.energy.output
-    if run.nudged:
-        torch.addmm(run.fold.b_nudge, q, run.fold.mq_nudge, out=run.ws.out)  # [b - q | 0 | y | 1 | qA]
-        c_out.add_up(top, run.ws.dq)  # the pull of h_M into dq alone (y and qA do not see h_M)
-        readout_nudge(run.ws, run.fold, run.one_hot)
-        torch.add(q, run.ws.dq, out=q_new)
-    else:
-        c_out.up(top, q_new)
+def q_free(run: PhaseRun, top: Tensor, q: Tensor, q_new: Tensor) -> None:
+    """q_new = the minimiser in q given h_M = top: its pull W h_M + b."""
+    run.energy.output.up(top, q_new)
+
+
+def q_folded(run: PhaseRun, top: Tensor, q: Tensor, q_new: Tensor) -> None:
+    """q_free plus the retrieval readout's pull at q: [dq | 0 | y | 1 | qA] from q, W h_M added to dq without its bias
+    (b_nudge holds it), the pull added by readout_nudge, q_new = q + dq."""
+    torch.addmm(run.fold.b_nudge, q, run.fold.mq_nudge, out=run.ws.out)  # [b - q | 0 | y | 1 | qA]
+    run.energy.output.add_up(top, run.ws.dq)  # the pull of h_M into dq alone (y and qA do not see h_M)
+    readout_nudge(run.ws, run.fold, run.one_hot)
+    torch.add(q, run.ws.dq, out=q_new)
+
+
+def q_forced(run: PhaseRun, top: Tensor, q: Tensor, q_new: Tensor) -> None:
+    """q_free plus each row's pull beta_col dloss/dq at q from the cost's force (beta_col = -beta, set_nudge_scale)."""
+    run.energy.output.up(top, q_new)
+    q_new.addcmul_(run.force(q, run.ws.gnudge), run.ws.beta_col)
+
+
+def q_clamped(run: PhaseRun, top: Tensor, q: Tensor, q_new: Tensor) -> None:
+    """q stays where `clamp_output` put it; the hidden layers relax around it."""
+    q_new.copy_(q)
 
 
 def record_speeds(run: PhaseRun) -> None:
@@ -378,7 +413,7 @@ def even_odd_steps(run: PhaseRun) -> None:
             boxed = []  # the layers of this half written in place, clamped together
             for j in half:
                 if j == last:
-                    q_step(run, s[last - 1], q_now, q_new)
+                    run.q_step(run, s[last - 1], q_now, q_new)
                     q_now = q_new  # the other half's h_M reads the new q
                     continue
                 above = s[j + 1] if j + 1 < last else q_now
@@ -426,8 +461,13 @@ def leapfrog_steps(run: PhaseRun) -> None:
     last = len(s) - 1
     for t in range(run.start, run.start + run.steps):
         forces(s, ws.drive, run.energy, f)
-        if run.nudged:
-            readout_force(s[last], run.frame, ws.target_mask, ws.readout, ws.gnudge)
+        if run.clamp:  # q's momentum was zeroed with the clamp (`clamp_output`), so q stays
+            f[last].zero_()
+        elif run.nudged:
+            if run.force is None:
+                readout_force(s[last], run.frame, ws.target_mask, ws.readout, ws.gnudge)
+            else:
+                run.force(s[last], ws.gnudge)
             f[last].addcmul_(ws.gnudge, ws.beta_col)
         for i in range(len(s)):
             p[i].mul_(decay).add_(f[i], alpha=kick)
@@ -439,11 +479,11 @@ def leapfrog_steps(run: PhaseRun) -> None:
         torch.linalg.vector_norm(ws.zv, dim=1, out=ws.spd_rows[t])
 
 
-def set_nudge_scale(ws: Workspace, fold: FoldedFrame, integ: Integrator) -> None:
-    """Per batch, after the target mask: the factor of each row's q nudge. The fixed point's pull lacks beta_r R_sc
-    (so beta_col = -beta * beta_r * R_sc, folded into its weights with mask_beta and neg_beta); the leapfrog adds
-    beta_col * dloss/dq (beta_col = -beta)."""
-    if integ.fixed_point:
+def set_nudge_scale(ws: Workspace, fold: FoldedFrame, integ: Integrator, folded: bool = True) -> None:
+    """Per batch, after the target mask: the factor of each row's q nudge. The folded fixed-point pull (the retrieval
+    cost's, `folded`) lacks beta_r R_sc (so beta_col = -beta * beta_r * R_sc, folded into its weights with mask_beta
+    and neg_beta); the leapfrog and a cost's force add beta_col * dloss/dq (beta_col = -beta)."""
+    if integ.fixed_point and folded:
         torch.mul(ws.beta_sign, fold.neg_scale, out=ws.beta_col)
         torch.mul(ws.target_mask, ws.beta_col, out=ws.mask_beta)
         torch.neg(ws.beta_col, out=ws.neg_beta)
@@ -456,3 +496,12 @@ def phase_function(integ: Integrator) -> PhaseFn:
     if integ.even_odd:
         return even_odd_steps
     return fixed_point_steps if integ.fixed_point else leapfrog_steps
+
+
+def clamp_output(ws: Workspace) -> None:
+    """Per batch, for the clamping rules: each row's q (the free equilibrium's q0) moved to q0 + b (target - q0), b its
+    block's strength (beta_sign: 1 for CHL, +-eta for coupled learning), and q's momentum zeroed, so q stays there."""
+    q = ws.state.s[-1]
+    q.addcmul_(torch.sub(ws.target, q, out=ws.gnudge), ws.beta_sign)
+    if ws.state.p:
+        ws.state.p[-1].zero_()

@@ -31,6 +31,12 @@ class MachineConfig(Section):
         "dense:256); a kind is a built-in (dense, conv) or a dotted path module.Class to your own coupling. "
         "--hidden_sizes 256 128 is shorthand for dense layers of those sizes.",
     )
+    cost: str = Field(
+        "retrieval",
+        description="How the output q is scored and nudged: 'retrieval' (the geometric readout: metric, rotor, softmax "
+        "over distances to the prototypes), 'mse' (1/2 |q - c_y|^2 to fixed class codes) or 'cross_entropy' (softmax "
+        "over -1/2 |q - c_k|^2, prototypes learned); or a dotted path module.Class to your own (docs/rules.md).",
+    )
     embed_dim: int = Field(16, ge=1, le=2**16, description="Embedding size per context character (text data).")
     coord_dim_n: int = Field(16, ge=2, le=2048, description="Dimension n of the output coordinates q.")
     rotor_k: int = Field(32, ge=0, le=2**24, description="Number of Givens rotations in the readout's rotor frame.")
@@ -78,10 +84,25 @@ class MachineConfig(Section):
                 raise ValueError(f"layer {i} ({kind}): at most {MAX_WIDTH} units a layer, got {size}")
         return v
 
+    @field_validator("cost")
+    @classmethod
+    def _cost(cls, v: str) -> str:
+        if "." not in v and v not in BUILTIN["cost"]:
+            raise ValueError(
+                f"expected one of {sorted(BUILTIN['cost'])} or a dotted path module.Class, got {short_repr(v)}"
+            )
+        resolve("cost", v)  # a ComponentError (a ValueError) names what is wrong with it
+        return v
+
     @model_validator(mode="after")
     def _clamps(self) -> "MachineConfig":
         if self.g_min >= self.g_max:
             raise ValueError(f"g_min ({self.g_min}) must be below g_max ({self.g_max})")
+        if self.memory_capacity and not resolve("cost", self.cost).memory_bank:
+            raise ValueError(
+                f"memory_capacity ({self.memory_capacity}) needs cost retrieval, whose candidates the memory bank "
+                f"joins; cost {self.cost} scores the prototypes only: set memory_capacity 0 or cost retrieval"
+            )
         return self
 
 

@@ -16,6 +16,9 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
+from trainer2.components import resolve
+from trainer2.physics.adjoint import AdjointWorkspace, adjoint_steps, set_masks
+from trainer2.physics.costs import CostFrame
 from trainer2.physics.dynamics import (
     FoldBlocks,
     FoldedFrame,
@@ -23,24 +26,18 @@ from trainer2.physics.dynamics import (
     PhaseRun,
     State,
     Workspace,
+    clamp_output,
     fold_frame,
     set_nudge_scale,
     staged_layers,
 )
 from trainer2.physics.energy import input_drive
-from trainer2.physics.kernels.backend import choose_backend, make_phase_function
+from trainer2.physics.kernels.backend import choose_backend, make_phase_function, nudge_blocker
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.nudge import NudgeScheme
-from trainer2.physics.readout import (
-    Candidates,
-    ReadoutFrame,
-    ReadoutResult,
-    readout_frame,
-    readout_loss_and_grads,
-    readout_scores,
-)
-from trainer2.section import Section
+from trainer2.physics.readout import Candidates, ReadoutFrame, ReadoutResult, readout_frame
+from trainer2.section import ConfigError, Section
 
 
 class DynamicsConfig(Section):
@@ -50,9 +47,11 @@ class DynamicsConfig(Section):
         64, ge=1, le=10**6, description="Free-phase relaxation steps per window (formerly tbptt_window_steps)."
     )
     nudge_steps: int = Field(16, ge=1, le=10**6, description="Steps of each nudged phase.")
-    beta_nudge: float = Field(0.003, gt=0.0, description="Nudging strength beta.")
-    symmetric_nudge: bool = Field(
-        True, description="Nudge with +beta and -beta (bias O(beta^2)) instead of +beta only."
+    beta_nudge: float = Field(
+        0.003,
+        gt=0.0,
+        description="Nudging strength beta of the EP rules; coupled learning's eta (it clamps q to q0 +- eta (target - "
+        "q0)); CHL clamps q to the target itself.",
     )
     dt: float = Field(1.0, gt=0.0, description="Integrator step size.")
     gamma: float = Field(1.0, ge=0.0, description="Damping; 0 = energy-conserving Stormer-Verlet (diagnostics only).")
@@ -108,42 +107,63 @@ class WindowStats:
 @dataclass
 class FreeState:
     """What the free phase fixes for the rest of the batch: the clamped input x (B, D), the readout frame
-    (and its folded matrices) and the retrieval candidates. The equilibrium itself is in `Relaxation.s0`."""
+    (and its folded matrices), the retrieval candidates and the cost's view of them. The equilibrium itself is in
+    `Relaxation.s0`."""
 
     x: Tensor
     frame: ReadoutFrame
     fold: FoldedFrame
     cand: Candidates
+    cost: CostFrame
 
 
 class Relaxation:
-    """Workspaces and the saved free equilibrium s0 for one batch size. The free phase relaxes B rows; the
-    nudged phases relax one workspace of 2B rows (+beta, then -beta), or B rows with one-sided nudging."""
+    """Workspaces and the saved free equilibrium s0 for one batch size. The free phase relaxes B rows; the nudged
+    phases the learning rule asks for (its NudgeScheme; by default EP's +beta and -beta) relax one stacked workspace
+    of phases x B rows; an adjoint scheme (recurrent backprop) gets the adjoint's workspace instead. The readout's
+    cost (the machine's `cost`) scores q and pulls it in the nudged phases."""
 
-    def __init__(self, machine: Machine, cfg: DynamicsConfig, batch: int, memory: MemoryBank | None = None) -> None:
+    def __init__(
+        self,
+        machine: Machine,
+        cfg: DynamicsConfig,
+        batch: int,
+        memory: MemoryBank | None = None,
+        scheme: NudgeScheme | None = None,
+    ) -> None:
         self.m, self.cfg, self.batch, self.memory = machine, cfg, batch, memory
         like = machine.readout.protos
         sizes = machine.state_sizes()
         num_cand = machine.num_classes + (0 if memory is None else memory.coords.shape[0])
         self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass, cfg.relaxation)  # the one place the order is read
+        self.cost = resolve("cost", machine.spec.cost)  # trainer2.physics.costs, found once
+        self.nudge = NudgeScheme.centred(cfg.beta_nudge) if scheme is None else scheme
         # The relaxation's backend (torch operators, or one Triton launch per phase), chosen once per run, not per step
-        kinds = machine.energy.kinds()
-        self.backend = choose_backend(cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds)
+        kinds, served = machine.energy.kinds(), nudge_blocker(self.nudge, self.cost.kind, self.cost.folded)
+        self.backend = choose_backend(
+            cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds, served
+        )
         self.steps_fn = make_phase_function(self.backend, self.integ)
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
-        self.nudge = NudgeScheme(cfg.beta_nudge, cfg.symmetric_nudge)
-        fixed = self.integ.fixed_point
+        self.targets = self.cost.uses_target or self.nudge.clamp  # each batch forms c_y per row (not the default)
+        fixed, phases = self.integ.fixed_point, self.nudge.phases
         temps = [sizes[j] for j in staged_layers(machine.energy)] if self.integ.even_odd else None
         self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed, temps)
-        self.ws_nudged = Workspace.allocate(
-            self.nudge.phases * batch, sizes, num_cand, cfg.nudge_steps, self.nudge.betas, like, fixed, temps
+        self.ws_nudged = (
+            Workspace.allocate(
+                phases * batch, sizes, num_cand, cfg.nudge_steps, list(self.nudge.betas), like, fixed, temps
+            )
+            if phases
+            else None
         )
+        self.adjoint = None if self.nudge.kind != "adjoint" else adjoint_workspace(machine, batch, self.integ)
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
         self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, machine.spec.eps, like)
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
         # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
-        self.s_plus = self.nudge.plus(self.ws_nudged.state.s, batch)
-        self.s_minus = self.nudge.minus(self.ws_nudged.state.s, self.s0.s, batch)
+        nudged = [] if self.ws_nudged is None else self.ws_nudged.state.s
+        self.s_plus = self.nudge.plus(nudged, self.s0.s, batch) if phases else []
+        self.s_minus = self.nudge.minus(nudged, self.s0.s, batch) if phases else []
         # Observability hooks (trainer2.monitor.telemetry): a timed/labelled context per phase, and progress
         # inside a window, on_steps(phase, step, steps, spd_last, lior), every progress_every steps.
         self.phase: Callable[[str], AbstractContextManager[None]] = lambda name: nullcontext()
@@ -164,11 +184,14 @@ class Relaxation:
         cand = self.candidates()
         frame = readout_frame(m.readout, cand, m.layout, m.spec.retrieval_beta, m.spec.eps)
         fold = fold_frame(m.energy, frame, self.fold_blocks)
+        cost = self.cost.frame(m.readout, frame, cand, m.num_classes, m.layout, self.one_hot)
         torch.eq(targets[:, None], cand.labels[None, :], out=ws.label_hit)
         ws.target_mask.copy_(ws.label_hit)
+        if self.targets:
+            self.cost.target(cost, ws.target_mask, ws.target)
         input_drive(x, m.energy, ws.drive)
         ws.state.zero_()
-        free = FreeState(x, frame, fold, cand)
+        free = FreeState(x, frame, fold, cand, cost)
         self.relax(ws, free, cfg.free_steps, False, "free")
         self.s0.copy_(ws.state)
         return free
@@ -184,14 +207,29 @@ class Relaxation:
         }
 
     def nudged_phases(self, free: FreeState) -> None:
-        """Relax T_nudge steps from s0 on E + beta * loss, every nudged phase at once (stacked rows)."""
+        """Relax T_nudge steps from s0 on E + beta * loss (force blocks) or with q clamped (clamp blocks), every nudged
+        phase at once (stacked rows)."""
         ws, k = self.ws_nudged, self.nudge.phases
         ws.target_mask.view(k, self.batch, -1).copy_(self.ws.target_mask)
         ws.drive.view(k, self.batch, -1).copy_(self.ws.drive)
         for dst, src in zip(ws.state.tensors(), self.s0.tensors(), strict=True):
             dst.view(k, self.batch, -1).copy_(src)
-        set_nudge_scale(ws, free.fold, self.integ)
+        if self.targets:
+            ws.target.view(k, self.batch, -1).copy_(self.ws.target)
+        if self.nudge.clamp:
+            clamp_output(ws)
+        else:
+            set_nudge_scale(ws, free.fold, self.integ, self.cost.folded)
         self.relax(ws, free, self.cfg.nudge_steps, True, "nudged")
+
+    def adjoint_phase(self, free: FreeState) -> list[Tensor]:
+        """Recurrent backprop's second phase (an adjoint scheme): g = dloss/dq at q0, the box masks at s0, then
+        nudge_steps sweeps of the adjoint (trainer2.physics.adjoint); returns mu, one (B, H_i) per state layer."""
+        aw, ws = self.adjoint, self.ws
+        self.cost.force(self.s0.s[-1], free.cost, ws.target_mask, ws.target, ws.readout, aw.g)
+        set_masks(aw, self.s0.s)
+        adjoint_steps(self.m.energy, self.s0.s, aw, self.cfg.nudge_steps, self.integ.even_odd)
+        return aw.mu
 
     def nudged_lior(self) -> Tensor:
         """Mean LIoR path length of the nudged phases (0-dim), after nudged_phases."""
@@ -200,7 +238,10 @@ class Relaxation:
     def nudged_stats(self) -> dict[str, Tensor]:
         """The nudged phases' observables (after nudged_phases), 0-dim: their LIoR path length and their spd at the
         last step, the mean over the rows of every nudged phase (their convergence residual, as spd_last is the
-        free phase's)."""
+        free phase's); both 0 when the scheme has no nudged phase (recurrent backprop)."""
+        if self.ws_nudged is None:
+            zero = torch.zeros((), dtype=self.ws.drive.dtype, device=self.device)
+            return {"lior_nudge": zero, "spd_last_nudge": zero.clone()}
         return {"lior_nudge": self.nudged_lior(), "spd_last_nudge": self.ws_nudged.spd_rows[-1].mean()}
 
     def lior(self, spd_mean: Tensor, steps: int) -> Tensor:
@@ -209,8 +250,18 @@ class Relaxation:
 
     def run(self, ws: Workspace, free: FreeState, start: int, steps: int, nudged: bool) -> None:
         """Relaxation steps start .. start + steps - 1 of a phase over workspace ws."""
+        force = None
+        if nudged and not self.cost.folded:  # the cost's force on this workspace's rows (retrieval's is folded)
+            cost, f = self.cost, free.cost
+
+            def force(q: Tensor, out: Tensor) -> Tensor:
+                return cost.force(q, f, ws.target_mask, ws.target, ws.readout, out)
+
+        clamp = nudged and self.nudge.clamp
         self.steps_fn(
-            PhaseRun(ws, self.m.energy, free.frame, free.fold, self.integ, start, steps, nudged, self.one_hot)
+            PhaseRun(
+                ws, self.m.energy, free.frame, free.fold, self.integ, start, steps, nudged, self.one_hot, force, clamp
+            )
         )
 
     def relax(self, ws: Workspace, free: FreeState, steps: int, nudged: bool, name: str) -> None:
@@ -229,26 +280,30 @@ class Relaxation:
             self.on_steps(name, done + n, steps, spd_last, lior)
 
     def readout_scores(self, free: FreeState) -> tuple[Tensor, Tensor]:
-        """Per-example loss (B,) in nats and class probabilities (B, V) at s0, without any gradient."""
-        return readout_scores(
-            self.s0.s[-1], free.frame, free.cand, self.ws.target_mask, self.m.num_classes, self.ws.readout, self.one_hot
-        )
+        """Per-example loss (B,) in nats and class probabilities (B, V) at s0, by the cost, without any gradient."""
+        return self.cost.scores(self.s0.s[-1], free.cost, self.ws.target_mask, self.ws.readout)
 
     def readout_grads(self, free: FreeState) -> ReadoutResult:
-        """Loss, probabilities and the readout's exact gradients (batch means) at s0."""
-        return readout_loss_and_grads(
-            self.s0.s[-1],
-            free.frame,
-            free.cand,
-            self.ws.target_mask,
-            self.m.num_classes,
-            self.m.layout,
-            self.ws.readout,
-            self.one_hot,
-        )
+        """Loss, probabilities and the readout's exact gradients (batch means) at s0, by the cost."""
+        return self.cost.loss_and_grads(self.s0.s[-1], free.cost, self.ws.target_mask, self.ws.readout)
 
     @torch.no_grad()
     def score(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """Held-out scoring: (summed loss in nats, number correct), both 0-dim, after a free phase."""
         loss, probs = self.readout_scores(self.free_phase(inputs, targets))
         return loss.sum(), (probs.argmax(1) == targets).sum()
+
+
+def adjoint_workspace(machine: Machine, batch: int, integ: Integrator) -> AdjointWorkspace:
+    """The adjoint's buffers for `batch` rows (Jacobi's next values unless the order is even/odd); every coupling must
+    linearise its pull (`add_up_linear` of the Coupling protocol)."""
+    lacking = [
+        kind for c, kind in zip(machine.energy.couplings, machine.energy.kinds()) if not hasattr(c, "add_up_linear")
+    ]
+    if lacking:
+        raise ConfigError(
+            f"rule: recurrent backprop's adjoint needs each coupling's add_up_linear (trainer2.Coupling), and coupling "
+            f"{lacking[0]} has none"
+        )
+    like = machine.readout.protos
+    return AdjointWorkspace.allocate(batch, machine.state_sizes(), like, jacobi=not integ.even_odd)

@@ -57,14 +57,7 @@ class Conv:
         channels, _, pool, _ = parse_spec(spec)
         if below is None:
             return (channels,)
-        if len(below) != 3:
-            raise ValueError(
-                f"a conv layer needs an image-shaped layer (C, H, W) below it, got shape {below} "
-                "(image data gives (C, H, W); a dense layer or feature vectors are flat)"
-            )
-        _, h, w = below
-        if h < pool or w < pool:
-            raise ValueError(f"pool {pool} is larger than the {h}x{w} image below it")
+        _, h, w = image_below(below, pool)
         return (channels, h // pool, w // pool)
 
     @classmethod
@@ -197,6 +190,14 @@ class Conv:
     def add_up(self, below: Tensor, out: Tensor) -> Tensor:
         return out.add_(self.apply(below, None).view(out.shape))
 
+    def add_up_linear(self, below: Tensor, at: Tensor, out: Tensor) -> Tensor:
+        """Average pooling: add_up. Max pooling: L below read at the argmax of each window of L `at` (the pull's
+        derivative where the layer below is `at`)."""
+        if not self.maxpool:
+            return self.add_up(below, out)
+        z = self.convolve(below, None).flatten(2)  # (R, C_out, H W)
+        return out.add_(z.gather(2, self.argmax(at).flatten(2)).view(out.shape))
+
     def down(self, above: Tensor, below: Tensor, base: Tensor, out: Tensor) -> Tensor:
         torch.add(self.image(base), self.adjoint(above, below), out=self.image(out))
         return out
@@ -286,6 +287,19 @@ class Conv:
         for _ in range(2):
             sigma = self.power_step(u)
         self.weight.mul_(torch.div(cap, sigma).clamp_(max=1.0))
+
+
+def image_below(below: tuple[int, ...], pool: int) -> tuple[int, ...]:
+    """`below` itself, once checked to be an image (C, H, W) of at least pool x pool pixels (else a ValueError)."""
+    if len(below) != 3:
+        raise ValueError(
+            f"a conv layer needs an image-shaped layer (C, H, W) below it, got shape {below} "
+            "(image data gives (C, H, W); a dense layer or feature vectors are flat)"
+        )
+    _, h, w = below
+    if h < pool or w < pool:
+        raise ValueError(f"pool {pool} is larger than the {h}x{w} image below it")
+    return below
 
 
 def parse_spec(spec: object) -> tuple[int, int, int, str]:

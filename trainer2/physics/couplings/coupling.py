@@ -62,6 +62,10 @@ class Coupling(Protocol):
     def add_up(self, below: Tensor, out: Tensor) -> Tensor:
         """out += the pull of `below` on the layer above, without the bias (the bias is folded elsewhere)."""
 
+    def add_up_linear(self, below: Tensor, at: Tensor, out: Tensor) -> Tensor:
+        """out += the pull on the layer above linearised where the layer below is `at`, applied to `below`, without the
+        bias: add_up itself for a bilinear term; max pooling keeps the argmax of `at` (recurrent backprop's adjoint)."""
+
     def down(self, above: Tensor, below: Tensor, base: Tensor, out: Tensor) -> Tensor:
         """out (R, below) = base + -dE_c/d below, the pull of `above` on the layer below, whose current value is
         `below`: a term that is not bilinear (max pooling) reads it, and then out must be another tensor."""

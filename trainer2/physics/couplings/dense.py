@@ -88,6 +88,9 @@ class Dense:
     def add_up(self, below: Tensor, out: Tensor) -> Tensor:
         return out.addmm_(below, self.wt)
 
+    def add_up_linear(self, below: Tensor, at: Tensor, out: Tensor) -> Tensor:
+        return self.add_up(below, out)  # bilinear: the pull is its own linearisation
+
     def down(self, above: Tensor, below: Tensor, base: Tensor, out: Tensor) -> Tensor:
         return torch.addmm(base, above, self.weight, out=out)  # bilinear: the pull does not depend on below
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer2.physics.dynamics import Integrator, PhaseFn, PhaseRun, phase_function
+from trainer2.physics.nudge import NudgeScheme
 from trainer2.section import ConfigError
 
 # A program keeps whole layers in registers (tiles padded to powers of two >= 16). Within FITS (the dev and production
@@ -43,12 +44,31 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
+def nudge_blocker(scheme: NudgeScheme, cost: str, folded: bool) -> str | None:
+    """Why the nudged kernel cannot run a learning rule's nudged phases (`scheme`) with this cost (`folded`: its pull
+    is the retrieval readout's, which the kernel holds), or None; a scheme without nudged phases (the adjoint of
+    recurrent backprop, which runs in torch after the free kernel) needs only the free kernel."""
+    if scheme.clamp:
+        return f"the nudged kernel pulls q by a force, and rule {scheme.rule} clamps q in its nudged phases"
+    if scheme.phases and not folded:
+        return f"the nudged kernel pulls q by the retrieval cost, and this run's cost is {cost}"
+    return None
+
+
 def triton_blocker(
-    device: torch.device, dtype: torch.dtype, integ: Integrator, sizes: list[int], candidates: int, kinds: list[str]
+    device: torch.device,
+    dtype: torch.dtype,
+    integ: Integrator,
+    sizes: list[int],
+    candidates: int,
+    kinds: list[str],
+    nudge: str | None = None,
 ) -> str | None:
     """Why the Triton window cannot run for this machine on this device (sizes = [H_1, ..., H_M, n], kinds = the kind
-    of each coupling), or None. The machine's own reasons come first: installing triton or finding a GPU would not
-    help with those."""
+    of each coupling; nudge: why it cannot run the rule's nudged phases, `nudge_blocker`), or None. The run's own
+    reasons come first: installing triton or finding a GPU would not help with those."""
+    if nudge is not None:
+        return nudge
     if any(kind != "dense" for kind in kinds):
         return f"the kernels run chains of dense couplings, this machine has {', '.join(sorted(set(kinds)))} couplings"
     if not integ.fixed_point:
@@ -100,12 +120,13 @@ def choose_backend(
     sizes: list[int],
     candidates: int,
     kinds: list[str],
+    nudge: str | None = None,
 ) -> Backend:
     """auto: triton on a CUDA device where it can run, else torch. Asking for triton where it cannot run is a
     ConfigError naming the reason (the CLI prints it, no traceback)."""
     if requested == "torch":
         return Backend("torch", "--window_backend torch")
-    blocker = triton_blocker(device, dtype, integ, sizes, candidates, kinds)
+    blocker = triton_blocker(device, dtype, integ, sizes, candidates, kinds, nudge)
     if requested == "triton":
         if blocker is not None:
             raise ConfigError(f"window_backend: triton cannot run here: {blocker}; use --window_backend auto or torch")

@@ -1,0 +1,119 @@
+"""Recurrent backprop (Almeida 1987, Pineda 1987): the exact gradient of the loss at the free equilibrium, from the
+linear adjoint system of the fixed point, with the couplings' analytic transposes and the box's masks (no autograd).
+
+The free equilibrium is the fixed point s = box(Phi(s)), Phi_i = up_i(s_{i-1}) + b_i + down_{i+1}(s_{i+1}) (q is not
+boxed). With D the mask of the hidden units strictly inside (0, 1) at s0 (1 on q), K = dPhi/ds the couplings between
+state layers (symmetric; max pooling linearised at s0's argmax) and g = dloss/ds (nonzero on q only), the adjoint solves
+lambda = g + K D lambda, and with mu = D lambda
+
+    dloss/dtheta = mu^T dPhi/dtheta:  mu_a b^T + a mu_b^T for a coupling from b (below) to a (above), mu_a for its bias
+
+(the input's gradient is W_1^T mu_1). The sweep mu <- D (g + K mu) from mu = 0 converges because the spectral cap keeps
+|K| <= spectral_cap < 1; T sweeps are the first-order effect of a T-step nudged phase (which moves s by -beta mu), so
+the adjoint takes nudge_steps sweeps, in the relaxation's order (Jacobi, or odd layers then even ones).
+
+The gradient is the EP statistic of each coupling (`ep_grads`, `ep_grads_clamped`) at s0 - eps mu and s0 + eps mu,
+scaled by 1/(2 eps): the eps^2 terms of a bilinear term cancel, so it is exact at any eps, and mu is normalised by its
+largest entry so eps = 1 (every entry moves by at most 1, no loss of precision). Max pooling is bilinear only while each
+window's argmax stays put, so a coupling whose pull reads the layer below (`down_reads_below`) takes eps =
+sqrt(machine epsilon): the rounding then costs about sqrt(machine epsilon) relative, and only a window whose two largest
+entries lie within about eps of each other can switch its argmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trainer2.physics.dynamics import halves
+from trainer2.physics.energy import Energy
+
+
+@dataclass
+class AdjointWorkspace:
+    """mu (B, H_i) per state layer, Jacobi's next mu per layer (empty for even/odd, which writes in place), the mask D
+    (B, H_i) per hidden layer and g = dloss/dq (B, n) at q0, all allocated once."""
+
+    mu: list[Tensor]
+    new: list[Tensor]
+    mask: list[Tensor]
+    g: Tensor
+
+    @staticmethod
+    def allocate(batch: int, sizes: list[int], like: Tensor, jacobi: bool) -> "AdjointWorkspace":
+        def new(h: int) -> Tensor:
+            return torch.zeros(batch, h, dtype=like.dtype, device=like.device)
+
+        return AdjointWorkspace(
+            [new(h) for h in sizes],
+            [new(h) for h in sizes] if jacobi else [],
+            [new(h) for h in sizes[:-1]],
+            new(sizes[-1]),
+        )
+
+
+def set_masks(aw: AdjointWorkspace, s0: list[Tensor]) -> None:
+    """D from the free equilibrium: 1 where a hidden unit is strictly inside its box (a unit on a face stays there
+    under a small change of the parameters), else 0. Per batch, outside the sweeps."""
+    for m, s in zip(aw.mask, s0[:-1], strict=True):
+        torch.logical_and(s > 0.0, s < 1.0, out=m)
+
+
+def adjoint_layer(e: Energy, s0: list[Tensor], aw: AdjointWorkspace, j: int, out: Tensor) -> None:
+    """out = D_j (g_j + [K mu]_j): the pull of mu_{j-1} through coupling j linearised at s0, and of mu_{j+1} through
+    coupling j + 1's transpose at s0 (no biases, no input: both are constant in s)."""
+    c, mu, last = e.couplings, aw.mu, len(aw.mu) - 1
+    if j == last:  # q: not boxed, and the only layer the loss reaches
+        out.copy_(aw.g)
+        c[j].add_up_linear(mu[j - 1], s0[j - 1], out)
+        return
+    out.zero_()
+    if j > 0:
+        c[j].add_up_linear(mu[j - 1], s0[j - 1], out)
+    c[j + 1].add_down(mu[j + 1], s0[j], out)
+    out.mul_(aw.mask[j])
+
+
+def adjoint_steps(e: Energy, s0: list[Tensor], aw: AdjointWorkspace, steps: int, even_odd: bool) -> None:
+    """`steps` sweeps mu <- D (g + K mu) from mu = 0: every layer from the previous mu (Jacobi, through aw.new), or the
+    odd layers h_1, h_3, ... first and the even ones from them (in place: layers of one parity do not read each other).
+    Allocation-free for dense chains."""
+    torch._foreach_zero_(aw.mu)
+    last = len(aw.mu) - 1
+    for _ in range(steps):
+        if even_odd:
+            for half in halves(last):
+                for j in half:
+                    adjoint_layer(e, s0, aw, j, aw.mu[j])
+        else:
+            for j in range(last + 1):
+                adjoint_layer(e, s0, aw, j, aw.new[j])
+            torch._foreach_copy_(aw.mu, aw.new)
+
+
+def adjoint_grads(
+    s0: list[Tensor], mu: list[Tensor], x: Tensor, e: Energy, batch: int, input_grad: bool = True
+) -> tuple[dict[str, Tensor], Tensor | None]:
+    """dloss/dtheta of every coupling parameter by name (batch mean, from per-example mu) and the per-example gradient
+    in the clamped input x (B, D) (None without input_grad): each coupling's EP statistic at s0 -+ eps mu over 2 eps
+    (module docstring). mu is scaled by its largest entry on the device: no host read."""
+    size = torch.stack([t.abs().amax() for t in mu]).amax().clamp_min_(torch.finfo(s0[0].dtype).tiny)
+    unit = [torch.div(t, size) for t in mu]
+    small = math.sqrt(torch.finfo(s0[0].dtype).eps)
+
+    def sides(i: int, eps: float) -> tuple[Tensor, Tensor]:
+        return torch.sub(s0[i], unit[i], alpha=eps), torch.add(s0[i], unit[i], alpha=eps)
+
+    c = e.couplings
+    plus, minus = sides(0, 1.0)  # x is clamped: the first coupling reads no argmax of a moving layer
+    grads, gx = c[0].ep_grads_clamped(x, plus, minus, 1.0 / (2 * batch), input_grad)
+    for i in range(1, len(c)):
+        eps = small if c[i].down_reads_below else 1.0
+        (bp, bm), (ap, am) = sides(i - 1, eps), sides(i, eps)
+        grads.update(c[i].ep_grads((bp, ap), (bm, am), 1.0 / (2 * eps * batch)))
+    for g in grads.values():
+        g.mul_(size)
+    return grads, None if gx is None else gx.mul_(size)
