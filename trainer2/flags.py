@@ -59,6 +59,12 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         help="Shorthand for --layers dense:N ...: dense hidden layers of these sizes.",
     )
     group.add_argument(
+        "--symmetric_nudge",
+        action=argparse.BooleanOptionalAction,
+        default=argparse.SUPPRESS,
+        help="Old spelling of --rule: --symmetric_nudge is --rule ep, --no-symmetric_nudge --rule ep_positive.",
+    )
+    group.add_argument(
         "--tbptt_window_steps",
         type=int,
         metavar="INT",

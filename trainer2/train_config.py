@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from trainer2.data.load import DataConfig
+from trainer2.learning.rules import RuleConfig
 from trainer2.learning.update import UpdateConfig
 from trainer2.physics.machine import MachineConfig
 from trainer2.physics.relaxation import DynamicsConfig
@@ -142,7 +143,9 @@ class LoopConfig(Section):
     )
 
 
-class TrainConfig(LoopConfig, SpeedConfig, UpdateConfig, DynamicsConfig, MachineConfig, DataConfig, RunConfig):
+class TrainConfig(
+    LoopConfig, SpeedConfig, UpdateConfig, RuleConfig, DynamicsConfig, MachineConfig, DataConfig, RunConfig
+):
     """One run of trainer2: the union of the sections. Every field is also a command-line flag of the same name."""
 
     @model_validator(mode="before")
@@ -176,20 +179,35 @@ class TrainConfig(LoopConfig, SpeedConfig, UpdateConfig, DynamicsConfig, Machine
 
 
 # Names a config may still use, and what they became: tbptt_window_steps was renamed (a note says so);
-# hidden_sizes is a shorthand for dense layers.
+# hidden_sizes is a shorthand for dense layers; symmetric_nudge is the old spelling of rule (true: ep, false:
+# ep_positive).
 RENAMED = {"tbptt_window_steps": "free_steps"}
-SHORTHANDS = ("hidden_sizes",)
+SHORTHANDS = ("hidden_sizes", "symmetric_nudge")
+SPELLS = {"tbptt_window_steps": "free_steps", "hidden_sizes": "layers", "symmetric_nudge": "rule"}  # old -> field
+NUDGE_RULES = {True: "ep", False: "ep_positive"}  # symmetric_nudge -> rule
 
 
 def upgrade_legacy(values: dict[str, Any]) -> dict[str, Any]:
     """`values` with the old names replaced by the new ones: tbptt_window_steps -> free_steps, hidden_sizes [N, ...]
-    -> layers [{dense: N}, ...]. Giving both an old and its new name is refused."""
+    -> layers [{dense: N}, ...], symmetric_nudge true / false -> rule ep / ep_positive. Giving both an old and its new
+    name is refused (for symmetric_nudge, only when they disagree)."""
     out = dict(values)
     for old, new in RENAMED.items():
         if old in out:
             if new in out:
                 raise ValueError(f"{old} is the old name of {new}: give one of them")
             out[new] = out.pop(old)
+    if "symmetric_nudge" in out:
+        symmetric = out.pop("symmetric_nudge")
+        if not isinstance(symmetric, bool):
+            raise ValueError(f"symmetric_nudge: expected true or false, got {short_repr(symmetric)}")
+        rule = NUDGE_RULES[symmetric]
+        if out.get("rule", rule) != rule:
+            raise ValueError(
+                f"symmetric_nudge {str(symmetric).lower()} is the old spelling of rule {rule}, and rule is "
+                f"{short_repr(out['rule'])}: give one of them"
+            )
+        out["rule"] = rule
     if "hidden_sizes" in out:
         if "layers" in out:
             raise ValueError("hidden_sizes is a shorthand for layers: give one of them")

@@ -1,9 +1,11 @@
-"""Where a batch's gradients come from: the seam a `Trainer` is built with, and its default, the EP estimate.
+"""Where a batch's gradients come from: the seam a `Trainer` is built with, and the contrastive estimate.
 
 A gradient source is a function (relaxation, inputs, targets) -> StepResult that runs whatever phases
-it needs on the relaxation and returns a gradient per named parameter. Energy couplings get the
-symmetric EP estimate (dE/dtheta(s+) - dE/dtheta(s-)) / 2 beta; the readout gets the exact gradient
-of the loss at the free equilibrium. No autograd: every gradient is written out analytically.
+it needs on the relaxation and returns a gradient per named parameter; each learning rule (trainer2.learning.rules)
+names one. `ep_gradients` is the contrastive estimate of every rule whose second phases are nudged or clamped (EP,
+CHL, coupled learning): energy couplings get (dE/dtheta(s+) - dE/dtheta(s-)) / divisor from the relaxation's nudge
+scheme (2 beta for centred EP); the readout gets the exact gradient of the loss at the free equilibrium from its cost.
+No autograd: every gradient is written out analytically.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import Tensor
 
 from trainer2.physics.energy import ep_grads
 from trainer2.physics.readout import indicator
-from trainer2.physics.relaxation import Relaxation, WindowStats
+from trainer2.physics.relaxation import FreeState, Relaxation, WindowStats
 
 
 @dataclass
@@ -45,7 +47,8 @@ def embedding_grad(gx: Tensor, ids: Tensor, rows: int) -> Tensor:
 
 
 def ep_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResult:
-    """Free phase, nudged phase(s) at +beta (and -beta), then the EP estimate for the energy and the embedding."""
+    """Free phase, the nudge scheme's phases (+beta and -beta for centred EP), then the contrastive estimate for the
+    energy and the embedding."""
     m = relax.m
     with relax.phase("free"):
         free = relax.free_phase(inputs, targets)
@@ -56,8 +59,17 @@ def ep_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResu
         scale = 1.0 / (relax.nudge.divisor * relax.batch)
         # Only a learned embedding needs the input's gradient (on images it is a transposed convolution per window).
         grads, gx = ep_grads(relax.s_plus, relax.s_minus, free.x, m.energy, scale, input_grad=m.emb is not None)
-        res = relax.readout_grads(free)
-        grads.update(g_diag=res.grads.g_diag, theta=res.grads.theta, protos=res.grads.protos, r_sc=res.grads.r_sc)
-        if gx is not None:
-            grads["emb"] = embedding_grad(gx.reshape(-1, m.emb.shape[1]), inputs.flatten(), m.emb.shape[0])
-        return StepResult(grads, res.loss, res.probs, WindowStats(**stats, **relax.nudged_stats()))
+        return step_result(relax, free, inputs, grads, gx, stats)
+
+
+def step_result(
+    relax: Relaxation, free: FreeState, inputs: Tensor, grads: dict[str, Tensor], gx: Tensor | None, stats: dict
+) -> StepResult:
+    """The batch's StepResult from the energy's gradients and the input's (gx, or None): the readout's exact gradients
+    at s0 from its cost, and the embedding's gathered from gx (text)."""
+    m = relax.m
+    res = relax.readout_grads(free)
+    grads.update(g_diag=res.grads.g_diag, theta=res.grads.theta, protos=res.grads.protos, r_sc=res.grads.r_sc)
+    if gx is not None:
+        grads["emb"] = embedding_grad(gx.reshape(-1, m.emb.shape[1]), inputs.flatten(), m.emb.shape[0])
+    return StepResult(grads, res.loss, res.probs, WindowStats(**stats, **relax.nudged_stats()))

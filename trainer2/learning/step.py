@@ -2,7 +2,7 @@
 
 `build_step` is the one place these parts are put together; the Trainer calls it at set-up and the
 StepRunner runs the result eagerly, compiled, or as a replayed CUDA graph. Nothing swaps a part later:
-a different gradient source is passed in at construction.
+the learning rule (or a different gradient source) is chosen at construction.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from trainer2.learning.gradients import GradientSource, ep_gradients
+from trainer2.components import resolve
+from trainer2.learning.gradients import GradientSource
 from trainer2.learning.params import ParamTable
 from trainer2.learning.update import UpdateConfig, Updater
 from trainer2.physics.machine import Machine
@@ -80,13 +81,18 @@ def build_step(
     update: UpdateConfig,
     batch: int,
     memory: MemoryBank | None = None,
-    gradients: GradientSource = ep_gradients,
+    gradients: GradientSource | None = None,
     table: ParamTable | None = None,
     dist: Collectives | None = None,
+    rule: str = "ep",
 ) -> BatchStep:
-    """A batch step for `batch` examples over `machine`; EP gradients unless another source is given; under
+    """A batch step for `batch` examples over `machine`. The learning rule `rule` (a name, trainer2.components: ep,
+    ep_positive, ep_negative, chl, coupled, rbp, or a dotted path) says which phases follow the free phase and forms
+    the gradient, unless another gradient source is given (it then runs the rule's phases' workspaces); under
     torchrun (`dist.launched`) the gradients are averaged over the ranks before the update."""
+    found = resolve("rule", rule)
     table = ParamTable.build(machine, update.eta_scales, update.weight_decay) if table is None else table
     updater = Updater(machine, update, table)
     reducer = GradReducer(updater.grad, dist) if dist is not None and dist.launched else None
-    return BatchStep(Relaxation(machine, dynamics, batch, memory), gradients, updater, memory, reducer)
+    relax = Relaxation(machine, dynamics, batch, memory, found.scheme(dynamics))
+    return BatchStep(relax, found.gradients if gradients is None else gradients, updater, memory, reducer)

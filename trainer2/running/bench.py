@@ -30,10 +30,10 @@ from trainer2.data.dataset import Dataset
 from trainer2.data.load import DataConfig, load_data
 from trainer2.data.sampler import Sampler
 from trainer2.flags import add_config_flags, resolve_config
+from trainer2.learning.rules.rule import rule_scheme
 from trainer2.learning.step import BatchStep, build_step
 from trainer2.learning.update import UpdateConfig
 from trainer2.monitor.profiling import PhaseTimer, drop_kineto_markers
-from trainer2.physics.nudge import NudgeScheme
 from trainer2.physics.relaxation import DynamicsConfig
 from trainer2.running.parts import build_parts, resolve_device
 from trainer2.running.step_runner import StepRunner
@@ -97,8 +97,23 @@ class Row:
 
 
 def relax_steps(cfg: TrainConfig) -> int:
-    """Relaxation steps in one batch step: the free window and one or two nudged windows."""
-    return cfg.free_steps + NudgeScheme(cfg.beta_nudge, cfg.symmetric_nudge).phases * cfg.nudge_steps
+    """Relaxation steps in one batch step: the free window and the rule's nudged windows (recurrent backprop: its
+    adjoint sweeps)."""
+    return cfg.free_steps + max(1, rule_scheme(cfg.rule, cfg).phases) * cfg.nudge_steps
+
+
+def phases_text(cfg: TrainConfig) -> str:
+    """The second part of a window, e.g. "2x6 nudged" (centred EP), "6 nudged", "6 adjoint" (recurrent backprop)."""
+    scheme = rule_scheme(cfg.rule, cfg)
+    if scheme.kind == "adjoint":
+        return f"{cfg.nudge_steps} adjoint"
+    return f"{'2x' if scheme.phases == 2 else ''}{cfg.nudge_steps} {'clamped' if scheme.clamp else 'nudged'}"
+
+
+def stacking_text(cfg: TrainConfig) -> str:
+    phases = rule_scheme(cfg.rule, cfg).phases
+    names = {0: "no nudged phase", 1: "one nudged phase", 2: "both nudged phases stacked in one batch"}
+    return names.get(phases, f"{phases} nudged phases stacked in one batch")
 
 
 def count_work(prof: profile, cuda: bool) -> tuple[int, int]:
@@ -148,9 +163,10 @@ def triton_launches(step: BatchStep) -> int:
 
 
 def make_step(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device) -> BatchStep:
-    """A fresh machine (same seed every time) and its EP batch step for `batch` examples."""
+    """A fresh machine (same seed every time) and its batch step (the config's rule) for `batch` examples."""
     parts = build_parts(cfg, device, data, batch)
-    return build_step(parts.machine, cfg.section(DynamicsConfig), cfg.section(UpdateConfig), batch, parts.memory)
+    dynamics, update = cfg.section(DynamicsConfig), cfg.section(UpdateConfig)
+    return build_step(parts.machine, dynamics, update, batch, parts.memory, rule=cfg.rule)
 
 
 def prepare(
@@ -270,10 +286,14 @@ def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: in
     relax = step.relax
     feed = [(x.to(device), y.to(device)) for x, y in host_batches(data, batch, windows + 2, cfg.seed)]
     free = relax.free_phase(*feed[0])
-    relax.nudged_phases(free)  # fills the nudged workspace once, as a step does
+    nudged = relax.ws_nudged is not None  # recurrent backprop has no nudged phase
+    if nudged:
+        relax.nudged_phases(free)  # fills the nudged workspace once, as a step does
     cuda = device.type == "cuda"
     k_free, _ = profile_call(lambda: relax.run(relax.ws, free, 0, cfg.free_steps, False), cuda)
-    k_nudged, _ = profile_call(lambda: relax.run(relax.ws_nudged, free, 0, cfg.nudge_steps, True), cuda)
+    k_nudged = (
+        profile_call(lambda: relax.run(relax.ws_nudged, free, 0, cfg.nudge_steps, True), cuda)[0] if nudged else 0
+    )
     runner = StepRunner(step)  # eager, as the trainer runs it (in inference mode)
     runner.step(*feed[1])  # warm-up
     timer = PhaseTimer(device, timing=True)
@@ -282,7 +302,9 @@ def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: in
         runner.step(x, y)
     times = timer.collect(windows)
     floor = math.sqrt(cfg.eps)
-    free_res, nudged_res = (float(ws.spd_rows[-1].mean()) / floor for ws in (relax.ws, relax.ws_nudged))
+    free_res, nudged_res = (
+        float(ws.spd_rows[-1].mean()) / floor if ws is not None else math.nan for ws in (relax.ws, relax.ws_nudged)
+    )
     return WindowCost(
         k_free / cfg.free_steps,
         k_nudged / cfg.nudge_steps,
@@ -317,8 +339,8 @@ def report(
         f"command: python main.py bench {' '.join(argv)}".rstrip(),
         f"machine: layers {cfg.layers}, n {cfg.coord_dim_n}, context {cfg.context_len}x{cfg.embed_dim}, "
         f"memory {cfg.memory_capacity}; "
-        f"window: {cfg.free_steps} free + {'2x' if cfg.symmetric_nudge else ''}{cfg.nudge_steps} nudged = "
-        f"{relax_steps(cfg)} relaxation steps ({cfg.relaxation} order)",
+        f"window: {cfg.free_steps} free + {phases_text(cfg)} = "
+        f"{relax_steps(cfg)} relaxation steps ({cfg.relaxation} order); rule {cfg.rule}, cost {cfg.cost}",
         f"timed: {windows} windows per mode in interleaved rounds, after {warmup} warm-up windows "
         f"(excluded; setup_s = warm-up incl. compile/capture); {'CUDA events' if cuda else 'perf_counter'}",
         "",
@@ -345,7 +367,7 @@ def report(
         "its code makes, window and fused update); "
         f"eager windows alone: {cost.free_ops:.1f} {unit} per free relaxation step, "
         f"{cost.nudged_ops:.1f} per nudged step "
-        f"({'both nudged phases stacked in one batch' if cfg.symmetric_nudge else 'one nudged phase'}).",
+        f"({stacking_text(cfg)}).",
         f"eager phases, ms per window at batch {rows[0].batch if rows else '-'}: "
         + ", ".join(f"{k} {v:.3f}" for k, v in cost.phase_ms.items()),
         f"residual at the last step, spd / sqrt(eps) (the last of those windows, from the initial machine): "

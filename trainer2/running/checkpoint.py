@@ -29,7 +29,7 @@ from trainer2.data.dataset import Dataset, InputSpec
 from trainer2.io import strictjson
 from trainer2.io.safeio import not_regular, open_regular, refuse_links
 from trainer2.section import short_repr
-from trainer2.train_config import TrainConfig, upgrade_legacy
+from trainer2.train_config import SPELLS, TrainConfig, upgrade_legacy
 
 FORMAT_VERSION = 2  # 2: the sampler state is O(1) (no stored permutation); text tokens hashed in their smallest type
 TENSORS_FILE = "tensors.safetensors"
@@ -83,15 +83,24 @@ RESUME_FREE_FIELDS = frozenset(
 
 # Fields added after checkpoints were first written, with the value that reproduces what those checkpoints' runs
 # did: a checkpoint without the field is compared, resumed and evaluated as if it held this value.
-ADDED_FIELDS: dict[str, Any] = {"augment_shift": 0, "data_format": "auto", "relaxation": "jacobi"}
+# `rule` came with the learning rules: older checkpoints hold symmetric_nudge, its old spelling (false: ep_positive),
+# which upgrade_legacy turns into rule, so the value here is for a checkpoint holding neither.
+ADDED_FIELDS: dict[str, Any] = {
+    "augment_shift": 0,
+    "data_format": "auto",
+    "relaxation": "jacobi",
+    "rule": "ep",
+    "cost": "retrieval",
+}
 
 
 def saved_config(config: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config as the lowest layer of a run built from it: a field added since it was written takes the
-    value its run used (ADDED_FIELDS), not today's default, with a note where the default has changed since."""
+    value its run used (ADDED_FIELDS), not today's default, with a note where the default has changed since; a field
+    the checkpoint holds under an old spelling (symmetric_nudge for rule) is left to that spelling."""
     out = dict(config)
     for field, value in ADDED_FIELDS.items():
-        if field in out:
+        if field in out or any(SPELLS.get(old) == field for old in out):
             continue
         out[field] = value
         default = TrainConfig.model_fields[field].default

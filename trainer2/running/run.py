@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer2.data.dataset import Dataset, InputSpec
-from trainer2.learning.gradients import GradientSource, ep_gradients
+from trainer2.learning.gradients import GradientSource
 from trainer2.monitor.tensorboard import check_tracking
 from trainer2.running.checkpoint import data_fingerprint, resolve_checkpoint, step_name
 from trainer2.running.distributed import Distributed
@@ -49,16 +49,17 @@ def train(
     *,
     run_dir: str | Path | None = None,
     resume: str | Path | None = None,
-    gradients: GradientSource = ep_gradients,
+    gradients: GradientSource | None = None,
     log: Callable[[str], None] = print,
     dist: Distributed | None = None,
     resume_hint: str | None = None,
 ) -> Run:
     """Train a machine on `data` (default: the data cfg.data names) and return the Run. run_dir: where it writes
-    (default: <checkpoint_dir>/<run_name>); resume: "latest" or a checkpoint directory to continue from. A stop
-    signal (Ctrl-C) saves and returns (run.summary["interrupted"] names it, and run.summary["resume_command"] says how
-    to continue: resume_hint, the command line's own, or else the Python call, which is also logged); a divergence
-    raises trainer2.running.health.Diverged; a bad config, data or checkpoint a ValueError (ConfigError, DataError,
+    (default: <checkpoint_dir>/<run_name>); resume: "latest" or a checkpoint directory to continue from; gradients:
+    a gradient source in place of the config's rule's (trainer2.learning.gradients). A stop signal (Ctrl-C) saves and
+    returns (run.summary["interrupted"] names it, and run.summary["resume_command"] says how to continue:
+    resume_hint, the command line's own, or else the Python call, which is also logged); a divergence raises
+    trainer2.running.health.Diverged; a bad config, data or checkpoint a ValueError (ConfigError, DataError,
     CheckpointError, RunDirError) naming it."""
     cfg = located(cfg, run_dir)
     dist = Distributed() if dist is None else dist

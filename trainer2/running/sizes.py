@@ -12,6 +12,7 @@ import torch
 from trainer2.components import resolve
 from trainer2.data.dataset import InputSpec
 from trainer2.io.memory import available_bytes
+from trainer2.learning.rules.rule import rule_scheme
 from trainer2.physics.energy import layer_shapes
 from trainer2.train_config import ConfigError, TrainConfig
 
@@ -61,7 +62,8 @@ def needs(cfg: TrainConfig, spec: InputSpec, heldout: int) -> list[Need]:
     # A Relaxation of R rows (trainer2.physics.relaxation) holds a free workspace of R rows, a nudged one of `phases` R
     # rows and the free equilibrium s0 (R rows); training has one of batch_size rows, scoring one per held-out batch
     # size (EVAL_ROWS, and the last, smaller batch when every batch is scored).
-    phases = 2 if cfg.symmetric_nudge else 1
+    # the rule's nudged phases (recurrent backprop's adjoint workspace is about one phase's rows)
+    phases = max(1, rule_scheme(cfg.rule, cfg).phases)
     every = cfg.eval_batches is None or cfg.eval_batches * EVAL_ROWS >= heldout
     scored = min(EVAL_ROWS, heldout) + (heldout % EVAL_ROWS if every and heldout > EVAL_ROWS else 0)
     rows = b + scored

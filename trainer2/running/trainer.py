@@ -1,8 +1,9 @@
 """The training recipe: setup, train, evaluate, save. Grad mode is off throughout; nothing here uses autograd.
 
-The Trainer builds its parts once, in __init__ (the machine, the batch step from the gradient source it is given, EP
-by default, the runner, the sampler, the callbacks), and never replaces them. The loop is `run_windows`; what runs
-beside it (progress bar, telemetry, divergence checks, stop signals, checkpoints) are its callbacks.
+The Trainer builds its parts once, in __init__ (the machine, the batch step from the config's learning rule or from
+the gradient source it is given, the runner, the sampler, the callbacks), and never replaces them. The loop is
+`run_windows`; what runs beside it (progress bar, telemetry, divergence checks, stop signals, checkpoints) are its
+callbacks.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from trainer2.data.augment import shift_images, window_generator
 from trainer2.data.dataset import Dataset
 from trainer2.data.sampler import STATE_KEYS as SAMPLER_KEYS
 from trainer2.data.sampler import Sampler, sampler_state
-from trainer2.learning.gradients import GradientSource, ep_gradients
+from trainer2.learning.gradients import GradientSource
 from trainer2.learning.params import ParamTable
 from trainer2.learning.step import BatchStep, build_step
 from trainer2.learning.update import ADDED_METRICS, UpdateConfig, lr_at
@@ -78,7 +79,7 @@ class Trainer:
     def __init__(
         self,
         cfg: TrainConfig,
-        gradients: GradientSource = ep_gradients,
+        gradients: GradientSource | None = None,
         log=print,
         dist: Distributed | None = None,
         *,
@@ -99,9 +100,8 @@ class Trainer:
         built = build_parts(cfg, self.device, data, world=self.dist.world_size)  # sizes checked before anything large
         dynamics, self.update_cfg = cfg.section(DynamicsConfig), cfg.section(UpdateConfig)
         params = ParamTable.build(built.machine, self.update_cfg.eta_scales, self.update_cfg.weight_decay)
-        step = build_step(
-            built.machine, dynamics, self.update_cfg, cfg.batch_size, built.memory, gradients, params, self.dist
-        )
+        machine, memory, dist = built.machine, built.memory, self.dist
+        step = build_step(machine, dynamics, self.update_cfg, cfg.batch_size, memory, gradients, params, dist, cfg.rule)
         self.global_batch = cfg.batch_size * self.dist.world_size  # every rank draws it; rank r trains on slice r
         sampler = Sampler(built.data.num_examples("train"), self.global_batch, cfg.seed)
         self.parts = Parts(
