@@ -86,6 +86,20 @@ def readout_loss(
     return -torch.log_softmax(-beta_r * cost, dim=1).gather(1, targets[:, None]).squeeze(1)
 
 
+def cost_loss(
+    q: Tensor, targets: Tensor, leaves: dict[str, Tensor], machine: Machine, beta_r: float, eps: float, cost: str
+) -> Tensor:
+    """Per-example loss of a cost (trainer2.physics.costs) written plainly: retrieval's readout_loss, mse's
+    1/2 |q - c_y|^2 (the codes held fixed: no gradient reaches them), cross_entropy's -log softmax(-1/2 |q - c|^2)_y."""
+    protos = leaves["protos"]
+    if cost == "mse":
+        return 0.5 * ((q - protos.detach()[targets]) ** 2).sum(1)
+    if cost == "cross_entropy":
+        logits = -0.5 * ((q[:, None, :] - protos[None]) ** 2).sum(-1)
+        return -torch.log_softmax(logits, dim=1).gather(1, targets[:, None]).squeeze(1)
+    return readout_loss(q, targets, leaves["g_diag"], leaves["theta"], protos, leaves["r_sc"], machine, beta_r, eps)
+
+
 def exact_grads(
     machine: Machine,
     inputs: Tensor,
@@ -97,12 +111,13 @@ def exact_grads(
     beta_r: float,
     eps: float,
     order: str = "jacobi",
+    cost: str = "retrieval",
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """Autograd gradient of the batch-mean loss at the free equilibrium for every named parameter, and the loss; the
-    free window unrolled in the trainer's order. A machine with couplings other than dense (a conv machine on
-    images) goes through `exact_grads_energy`."""
+    """Autograd gradient of the batch-mean loss (of `cost`, `cost_loss`) at the free equilibrium for every named
+    parameter, and the loss; the free window unrolled in the trainer's order. A machine with couplings other than
+    dense (a conv machine on images) goes through `exact_grads_energy`."""
     if any(c.kind != "dense" for c in machine.energy.couplings):
-        return exact_grads_energy(machine, inputs, targets, steps, dt, gamma, mass, beta_r, eps, order)
+        return exact_grads_energy(machine, inputs, targets, steps, dt, gamma, mass, beta_r, eps, order, cost)
     names = list(machine.named_params())
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
     with torch.enable_grad():
@@ -111,9 +126,7 @@ def exact_grads(
         tags = [("out" if i == last else str(i + 1)) for i in range(last + 1)]
         weights, biases = [leaves[f"W_{t}"] for t in tags], [leaves[f"b_{t}"] for t in tags]
         s = relax(x, weights, biases, steps, dt, gamma, mass, order)
-        loss = readout_loss(
-            s[-1], targets, leaves["g_diag"], leaves["theta"], leaves["protos"], leaves["r_sc"], machine, beta_r, eps
-        ).mean()
+        loss = cost_loss(s[-1], targets, leaves, machine, beta_r, eps, cost).mean()
         grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
     return {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}, loss.detach()
 
@@ -148,6 +161,7 @@ def exact_grads_energy(
     beta_r: float,
     eps: float,
     order: str = "jacobi",
+    cost: str = "retrieval",
 ) -> tuple[dict[str, Tensor], Tensor]:
     """As `exact_grads` for a feature or image machine (x (B, D) clamped) whose couplings may be of any kind: the
     gradients and the batch-mean loss."""
@@ -156,8 +170,6 @@ def exact_grads_energy(
     with torch.enable_grad():
         x = machine.input_vectors(x)  # in the machine's dtype (feature and image rows load as float32)
         s = relax_energy(x, machine.energy.rebind(leaves), steps, dt, gamma, mass, order)
-        loss = readout_loss(
-            s[-1], targets, leaves["g_diag"], leaves["theta"], leaves["protos"], leaves["r_sc"], machine, beta_r, eps
-        ).mean()
+        loss = cost_loss(s[-1], targets, leaves, machine, beta_r, eps, cost).mean()
         grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
     return {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}, loss.detach()

@@ -85,7 +85,7 @@ def main() -> None:
     print(
         f"preset {args.preset}, layers {cfg.layers}: "
         f"T_free={cfg.free_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, "
-        f"symmetric={cfg.symmetric_nudge}, dtype={cfg.dtype}; reference: {args.true_steps} steps, float64"
+        f"rule={cfg.rule}, dtype={cfg.dtype}; reference: {args.true_steps} steps, float64"
     )
     rows = [("init", measure(trainer, args.batches, args.true_steps, args.per_param))]
     if args.train_windows:

@@ -172,8 +172,10 @@ def window_flops(machine, cfg, candidates: int) -> float:
     once, every step each coupling between state layers both ways, and on nudged steps the readout (y = q L^T, the
     distances to the candidates, their pull: 2 n^2 + 2 n K). The EP statistics and the update are left out (a few %),
     so a share of the peak from this is a lower bound."""
+    from trainer2.learning.rules.rule import rule_scheme
+
     couplings = machine.energy.couplings
-    n, phases = cfg.coord_dim_n, 2 if cfg.symmetric_nudge else 1
+    n, phases = cfg.coord_dim_n, max(1, rule_scheme(cfg.rule, cfg).phases)  # rbp: its adjoint, about one phase
     chain = 2 * sum(coupling_macs(c) for c in couplings[1:])
     drive = coupling_macs(couplings[0]) * (1 + phases)
     nudged = cfg.nudge_steps * phases * (chain + 2 * n * n + 2 * n * candidates)

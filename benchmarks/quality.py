@@ -72,7 +72,7 @@ def main() -> None:
     print(
         f"preset {args.preset}: {cfg.max_windows} windows x {cfg.batch_size} = "
         f"{cfg.max_windows * cfg.batch_size} examples per run; "
-        f"T_free={cfg.free_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, symmetric={cfg.symmetric_nudge}",
+        f"T_free={cfg.free_steps}, T_nudge={cfg.nudge_steps}, beta={cfg.beta_nudge}, rule={cfg.rule}",
         flush=True,
     )
     res: dict[str, dict] = {}
