@@ -85,8 +85,9 @@ def test_capture_batch_size_alone_sets_the_batch_size():
 
 
 def test_boolean_flags_take_no_prefix_and_optional_ints_take_none():
-    cfg = config_from(["--no-symmetric_nudge", "--eval_batches", "none", "--hidden_sizes", "32", "16"])
-    assert cfg.symmetric_nudge is False and cfg.eval_batches is None and cfg.layers == [{"dense": 32}, {"dense": 16}]
+    cfg = config_from(["--no-tensorboard", "--eval_batches", "none", "--hidden_sizes", "32", "16"])
+    assert cfg.tensorboard is False and cfg.eval_batches is None and cfg.layers == [{"dense": 32}, {"dense": 16}]
+    assert config_from(["--no-symmetric_nudge"]).rule == "ep_positive"  # the old spelling of --rule ep_positive
 
 
 @pytest.mark.parametrize("name", ["dev", "production", "deep", "profiling", "conv"])

@@ -7,6 +7,7 @@ from tiny import tiny_batch, tiny_config, tiny_machine
 
 from benchmarks.autograd_reference import cosine, exact_grads
 from trainer2.learning.gradients import embedding_grad, ep_gradients
+from trainer2.learning.rules.rule import rule_scheme
 from trainer2.physics.relaxation import Relaxation
 from trainer2.train_config import TrainConfig
 
@@ -15,8 +16,8 @@ def ep_and_exact(**overrides):
     cfg = tiny_config(**overrides)
     m = tiny_machine(cfg)
     inputs, targets = tiny_batch(cfg)
-    with torch.no_grad():
-        est = ep_gradients(Relaxation(m, cfg, cfg.batch_size), inputs, targets)
+    with torch.no_grad():  # the config's rule (symmetric_nudge false is ep_positive) says which phases run
+        est = ep_gradients(Relaxation(m, cfg, cfg.batch_size, scheme=rule_scheme(cfg.rule, cfg)), inputs, targets)
     ref, _ = exact_grads(m, inputs, targets, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
     assert list(est.grads) != [] and set(est.grads) == set(m.named_params())  # one gradient per named parameter
     return est.grads, ref
