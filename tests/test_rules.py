@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_capture import Spy
+from test_capture import Spy, assert_same_state, needs_cuda, run
 from test_conv import conv_machine
 from test_window import NewStorage
 from tiny import tiny_batch, tiny_config, tiny_machine
@@ -20,9 +20,10 @@ from trainer2.cli import main
 from trainer2.learning.step import build_step
 from trainer2.physics.adjoint import adjoint_steps, set_masks
 from trainer2.physics.kernels.backend import nudge_blocker
+from trainer2.physics.machine import move_machine
 from trainer2.physics.nudge import NudgeScheme
 from trainer2.running.checkpoint import check_config, saved_config
-from trainer2.running.step_runner import step_tensors
+from trainer2.running.step_runner import StepRunner, step_tensors
 from trainer2.section import ConfigError
 from trainer2.train_config import TrainConfig, build_config
 
@@ -79,11 +80,22 @@ def test_rbp_is_autograds_exact_gradient(cost, machine):
 
 
 @pytest.mark.parametrize(
-    "overrides", [dict(relaxation="even_odd"), dict(dt=0.5, gamma=1.2, free_steps=300)], ids=["even_odd", "leapfrog"]
+    "layers,overrides",
+    [
+        (None, dict(relaxation="even_odd")),
+        (CONV_MAX, dict(relaxation="even_odd")),
+        (None, dict(dt=0.5, gamma=1.2, free_steps=300)),
+    ],
+    ids=["even_odd", "even_odd_conv_max", "leapfrog"],
 )
-def test_rbp_in_even_odd_order_and_at_the_leapfrogs_equilibrium(overrides):
-    """The adjoint sweeps in the relaxation's order (even/odd); it serves the damped leapfrog's equilibrium too."""
-    cfg, m, step, x, y = dense_case("rbp", hidden_sizes=[8, 6], **{"free_steps": 40, "nudge_steps": 40, **overrides})
+def test_rbp_in_even_odd_order_and_at_the_leapfrogs_equilibrium(layers, overrides):
+    """The adjoint sweeps in the relaxation's order (even/odd, also through max pooling between state layers); it
+    serves the damped leapfrog's equilibrium too."""
+    steps = {"free_steps": 30, "nudge_steps": 30, **overrides}
+    if layers is None:
+        cfg, m, step, x, y = dense_case("rbp", hidden_sizes=[8, 6], **steps)
+    else:
+        cfg, m, step, x, y = conv_case("rbp", layers, **steps)
     est = gradients(step, x, y).grads
     c = cfg
     ref, _ = exact_grads(m, x, y, c.free_steps, c.dt, c.gamma, c.mass, c.retrieval_beta, c.eps, c.relaxation)
@@ -161,18 +173,48 @@ def test_clamping_rules_hold_q_where_they_are_defined(rule, dt):
 # --- every rule with every cost, dense and conv: runs, learns nothing from host reads, allocates nothing ---
 
 
+@pytest.mark.parametrize("relaxation", ["jacobi", "even_odd"])
 @pytest.mark.parametrize("cost", COSTS)
 @pytest.mark.parametrize("rule", RULES)
-def test_every_rule_and_cost_steps_without_reading_back(rule, cost):
-    """A whole batch step (free, second phases, gradient, update) on a dense and on a conv machine, with no host read
-    (what CUDA-graph capture needs), and finite gradients for every parameter."""
+def test_every_rule_and_cost_steps_without_reading_back(rule, cost, relaxation):
+    """A whole batch step (free, second phases, gradient, update) on a dense and on a conv machine, in both orders,
+    with no host read (what CUDA-graph capture needs), and finite gradients for every parameter."""
     for case in (dense_case, conv_case):
-        cfg, m, step, x, y = case(rule, cost=cost, free_steps=4, nudge_steps=3)
+        cfg, m, step, x, y = case(rule, cost=cost, free_steps=4, nudge_steps=3, relaxation=relaxation)
         with torch.no_grad(), Spy() as spy:
             step.step(x, y)
         assert not spy.ops & BANNED, (rule, cost, spy.ops & BANNED)
         grads = gradients(step, x, y).grads
         assert grads.keys() == m.named_params().keys() and all(torch.isfinite(g).all() for g in grads.values())
+
+
+@needs_cuda
+@pytest.mark.parametrize("cost", COSTS)
+@pytest.mark.parametrize("rule", RULES)
+def test_graph_replay_of_every_rule_and_cost_equals_eager_on_cuda(rule, cost):
+    """Captured once, replayed with the learning rate changing between windows and no host sync: bitwise the eager
+    step, for every rule and cost."""
+    cfg = tiny_config(dtype="float32", cost=cost, free_steps=4, nudge_steps=3)
+
+    def fresh():
+        m = move_machine(tiny_machine(cfg), torch.device("cuda"))
+        return build_step(m, cfg, cfg, cfg.batch_size, rule=rule)
+
+    eager, graphed = fresh(), fresh()
+    data = [tiny_batch(cfg, seed=s) for s in range(6)]
+    logs: list[str] = []
+    runner = StepRunner(graphed, graphs=True, warmup_steps=2, log=logs.append)
+    run(eager.step, eager, [(x.cuda(), y.cuda()) for x, y in data], "cuda")
+    run(runner.step, graphed, data[:3])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(runner.step, graphed, data[3:], first=3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert logs == [] and runner.mode == "graph"
+    assert_same_state(eager, graphed)
 
 
 @pytest.mark.parametrize("rule,cost", [("ep", "mse"), ("ep", "cross_entropy"), ("chl", "retrieval"), ("rbp", "mse")])
@@ -279,5 +321,5 @@ def test_every_rule_and_cost_learns(tmp_path, rule, cost):
         "dev", rule=rule, cost=cost, max_windows=100, eval_every_windows=0, layers=[{"dense": 16}], batch_size=16,
         coord_dim_n=4, eta_update=0.01, lr_warmup_windows=0, checkpoint_dir=str(tmp_path), **spread,
     )  # fmt: skip
-    run = trainer2.train(cfg, trainer2.from_arrays(x, y, heldout_fraction=0.2), log=lambda *_: None)
-    assert run.summary["heldout_acc"] > 0.9, (rule, cost, run.summary["heldout_acc"])
+    done = trainer2.train(cfg, trainer2.from_arrays(x, y, heldout_fraction=0.2), log=lambda *_: None)
+    assert done.summary["heldout_acc"] > 0.9, (rule, cost, done.summary["heldout_acc"])

@@ -199,9 +199,7 @@ class Workspace:
     # leapfrog (and scoring)
     force: list[Tensor]  # (R, H_i) -dE/ds_i; empty for the fixed point
     gnudge: Tensor  # (R, n) dloss/dq
-    target: (
-        Tensor  # (R, n) the cost's target point (c_y) per row, set per batch where a cost's force or a clamp reads it
-    )
+    target: Tensor  # (R, n) c_y per row, set per batch where a cost's force or a clamp reads it
     readout: ReadoutScratch
 
     @staticmethod

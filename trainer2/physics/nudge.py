@@ -35,7 +35,7 @@ class NudgeScheme:
         if self.kind not in KINDS:
             raise ValueError(f"nudge kind must be one of {list(KINDS)}, got {self.kind!r}")
         if (self.kind == "adjoint") != (not self.betas):
-            raise ValueError(f"an {self.kind} scheme needs {'no' if self.kind == 'adjoint' else 'some'} nudged phases")
+            raise ValueError(f"{self.kind} scheme: {'no' if self.kind == 'adjoint' else 'at least one'} nudged phase")
 
     @staticmethod
     def centred(beta: float, rule: str = "ep") -> "NudgeScheme":

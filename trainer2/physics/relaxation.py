@@ -156,13 +156,13 @@ class Relaxation:
             if phases
             else None
         )
-        self.adjoint = None if self.nudge.kind != "adjoint" else adjoint_workspace(machine, batch, self.integ)
+        self.adjoint = adjoint_workspace(machine, batch, self.integ) if self.nudge.kind == "adjoint" else None
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
         self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, machine.spec.eps, like)
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
         # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
-        nudged = [] if self.ws_nudged is None else self.ws_nudged.state.s
-        self.s_plus = self.nudge.plus(nudged, self.s0.s, batch) if phases else []
+        nudged = self.ws_nudged.state.s if phases else []
+        self.s_plus = self.nudge.plus(nudged, self.s0.s, batch) if phases else []  # none without nudged phases
         self.s_minus = self.nudge.minus(nudged, self.s0.s, batch) if phases else []
         # Observability hooks (trainer2.monitor.telemetry): a timed/labelled context per phase, and progress
         # inside a window, on_steps(phase, step, steps, spd_last, lior), every progress_every steps.
