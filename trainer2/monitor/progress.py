@@ -58,8 +58,8 @@ def postfix(row: dict[str, Any]) -> dict[str, str]:
     if "train_bpc" in row:
         out["bpc"] = f"{row['train_bpc']:.3f}"
     out.update(acc=f"{row['train_acc']:.3f}", lior=f"{row['lior_mean']:.3g}", spd=f"{row['spd_last']:.2g}")
-    if "heldout_bpc" in row:
-        out["val_bpc"] = f"{row['heldout_bpc']:.3f}"
-    elif "heldout_acc" in row:
-        out["val_acc"] = f"{row['heldout_acc']:.3f}"
+    for split, short in (("validation", "val"), ("heldout", "held")):  # text: bits per character; else accuracy
+        key = f"{split}_bpc" if f"{split}_bpc" in row else f"{split}_acc"
+        if key in row:
+            out[f"{short}_{key.rsplit('_', 1)[1]}"] = f"{row[key]:.3f}"
     return out

@@ -46,7 +46,7 @@ from trainer2.running.checkpointing import (
 )
 from trainer2.running.checkpointing import run_meta as make_meta
 from trainer2.running.distributed import Distributed
-from trainer2.running.evaluation import heldout_from_sums, heldout_sums, relaxation_cache
+from trainer2.running.evaluation import evaluate_splits, relaxation_cache
 from trainer2.running.health import Diverged, Health, all_finite, divergence_message
 from trainer2.running.metrics import metric_row
 from trainer2.running.parts import build_parts, resolve_device, set_library_switches
@@ -234,12 +234,11 @@ class Trainer:
     # --- evaluation ---
 
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
-        """Held-out loss (nats per example), accuracy and, for text, bits per character; one sync at the end.
-        Under torchrun each rank scores every world_size-th batch and the sums are added up."""
+        """Held-out (and, with a validation split, validation) loss in nats per example, accuracy and, for text, bits
+        per character. Under torchrun each rank scores every world_size-th batch and the sums are added up."""
         limit = max_batches if max_batches is not None else self.cfg.eval_batches
-        sums = heldout_sums(self.scoring, self.data, self.device, limit, (self.dist.rank, self.dist.world_size))
-        self.dist.all_reduce_sum(sums, "the held-out evaluation")
-        return heldout_from_sums(sums, self.data.tokens)
+        shard = (self.dist.rank, self.dist.world_size)
+        return evaluate_splits(self.scoring, self.data, self.device, limit, shard, self.dist.all_reduce_sum)
 
     # --- state ---
 
