@@ -265,6 +265,16 @@ def split_rows(n: int, heldout_fraction: float) -> int:
     return min(n - 1, max(1, n - round(n * heldout_fraction)))
 
 
+def held_out(
+    x: np.ndarray, y: np.ndarray, x_held: np.ndarray | None, y_held: np.ndarray | None, heldout_fraction: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x, y, x_held, y_held): the given held-out split, else the last heldout_fraction of the rows, by position."""
+    if x_held is not None and y_held is not None:
+        return x, y, x_held, y_held
+    n_train = split_rows(len(x), heldout_fraction)
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
 def feature_dataset(
     source: str,
     x: np.ndarray,
@@ -275,9 +285,7 @@ def feature_dataset(
 ) -> Dataset:
     """Feature rows x [N, D] (float32 as they are: features are not normalised) with labels y [N]; held-out: the given
     split, else the last heldout_fraction of the rows, by position (shuffle ordered rows first)."""
-    if x_held is None or y_held is None:
-        n_train = split_rows(len(x), heldout_fraction)
-        x, x_held, y, y_held = x[:n_train], x[n_train:], y[:n_train], y[n_train:]
+    x, y, x_held, y_held = held_out(x, y, x_held, y_held, heldout_fraction)
 
     def rows(a: np.ndarray, dtype: type) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))

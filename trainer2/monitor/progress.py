@@ -6,12 +6,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from trainer2.callbacks import LoopState
+from trainer2.callbacks import Callback, LoopState
 
 PIPE_INTERVAL = 30.0  # seconds between bar lines when stderr is no terminal (a pipe, CI): a line every 30 s, no flood
 
 
-class ProgressBar:
+class ProgressBar(Callback):
     """A tqdm bar of `total` windows named `desc`, with the latest training (and held-out) figures beside it."""
 
     def __init__(self, desc: str, show: bool) -> None:
@@ -32,12 +32,6 @@ class ProgressBar:
         )
         if not self.bar.disable and not getattr(self.bar.fp, "isatty", lambda: False)():
             self.bar.mininterval = self.bar.maxinterval = PIPE_INTERVAL
-
-    def on_window_start(self, state: LoopState) -> None:
-        pass
-
-    def on_metrics(self, state: LoopState, row: dict[str, Any]) -> None:
-        pass
 
     def on_log(self, state: LoopState, row: dict[str, Any]) -> None:
         self.bar.set_postfix(postfix(row), refresh=False)

@@ -13,17 +13,16 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from trainer2.callbacks import LoopState
+from trainer2.callbacks import Callback, LoopState
 
 PROBE = 5  # windows timed at each thread count
 RECHECK_S = 120.0  # seconds between measurements
 
 
-class ThreadTuner:
+class ThreadTuner(Callback):
     """A callback that switches between `cores` threads and one by the windows' measured time. Windows that logged
     (and maybe evaluated) are not timed, nor the run's first (compiling, warming up)."""
 
@@ -44,15 +43,6 @@ class ThreadTuner:
 
     def on_start(self, state: LoopState) -> None:
         self.first, self.last = state.window, self.clock()
-
-    def on_window_start(self, state: LoopState) -> None:
-        pass
-
-    def on_metrics(self, state: LoopState, row: dict[str, Any]) -> None:
-        pass
-
-    def on_log(self, state: LoopState, row: dict[str, Any]) -> None:
-        pass
 
     def on_window_end(self, state: LoopState) -> None:
         now = self.clock()
@@ -85,9 +75,6 @@ class ThreadTuner:
             what = f"{self.cores} threads run at {1 / ratio:.2f}x the windows/s of one"
             self.log(f"cpu threads: {chosen} ({what}; measured again every {RECHECK_S:.0f} s)")
         self.reported = chosen
-
-    def on_end(self, state: LoopState) -> None:
-        pass
 
 
 def thread_tuners(cpu_threads: int, cores: int, device_type: str, log: Callable[[str], None]) -> list[ThreadTuner]:
