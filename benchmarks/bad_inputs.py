@@ -381,7 +381,7 @@ def cases() -> list[Case]:
         Case("--data /dev/zero", tiny("--data", "/dev/zero", run="d"), {2}),
         Case("--data /dev/null", tiny("--data", "/dev/null", run="d"), {2}),
         Case("--data data (a directory)", tiny("--data", "data", run="d"), {2}),
-        Case("--data ''", tiny("--data", "", run="d"), {2}, says="--data: empty"),
+        Case("--data ''", tiny("--data", "", run="d"), {2}, says="data (from command line): empty"),
         Case(
             "--data: a CIFAR batch declaring 2^60 bytes",
             tiny("--data", "data/cifar_bomb", run="d"),

@@ -85,7 +85,7 @@ def test_text_batch_matches_slicing(builtin: Dataset) -> None:
 
 
 def test_batch_rejects_bad_split_and_out_of_range(builtin: Dataset) -> None:
-    with pytest.raises(ValueError, match="'validation'"):
+    with pytest.raises(ValueError, match="no 'validation' split"):
         builtin.batch("validation", torch.tensor([0]))
     with pytest.raises(ValueError, match="'test'"):
         builtin.num_examples("test")

@@ -200,3 +200,19 @@ def test_even_odd_refuses_the_leapfrog():
     with pytest.raises(ValueError, match="relaxation order must be one of"):
         Integrator(1.0, 1.0, 1.0, "red_black")
     assert build_config([("test", {"relaxation": "even_odd"})]).relaxation == "even_odd"
+
+
+def test_the_step_count_benchmark_compares_both_orders(small_text, monkeypatch, capsys):
+    """benchmarks/step_counts.py on a tiny machine: a row per order and window, and even/odd ahead of Jacobi at the same
+    step count in the distance to the fixed point."""
+    from benchmarks import step_counts
+
+    argv = ["step_counts.py", "--preset", "dev", "--train_windows", "0", "--batches", "1", "--free_steps", "3", "6"]
+    flags = ["--data", str(small_text), "--hidden_sizes", "8", "--coord_dim_n", "4", "--batch_size", "4"]
+    monkeypatch.setattr("sys.argv", argv + ["--true_steps", "60", *flags])
+    step_counts.main()
+    rows = {tuple(line.split()[:3]): line.split()[3:] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert set(rows) == {(o, t, n) for o in ("jacobi", "even_odd") for t, n in (("3", "2"), ("6", "3"))}
+    for t, n in (("3", "2"), ("6", "3")):
+        assert float(rows["even_odd", t, n][2]) < float(rows["jacobi", t, n][2])  # err free
+        assert all(0.9 < float(c) <= 1.0 for c in rows["even_odd", t, n][3:])  # the cosines

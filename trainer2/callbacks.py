@@ -9,7 +9,7 @@ works on, and the list never changes during a run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -37,20 +37,26 @@ class LoopState:
         return self.window >= self.total
 
 
-class Callback(Protocol):
-    """The hooks; a callback implements all of them (most as `pass`)."""
+class Callback:
+    """The hooks, each doing nothing here: a callback overrides the ones it needs."""
 
-    def on_start(self, state: LoopState) -> None: ...
+    def on_start(self, state: LoopState) -> None:
+        """Before the first window of this run (or of this resumed run)."""
 
-    def on_window_start(self, state: LoopState) -> None: ...
+    def on_window_start(self, state: LoopState) -> None:
+        """Before window state.window + 1 runs."""
 
-    def on_metrics(self, state: LoopState, row: dict[str, Any]) -> None: ...
+    def on_metrics(self, state: LoopState, row: dict[str, Any]) -> None:
+        """At a log interval: the synced training metrics, before any evaluation."""
 
-    def on_log(self, state: LoopState, row: dict[str, Any]) -> None: ...
+    def on_log(self, state: LoopState, row: dict[str, Any]) -> None:
+        """At a log interval: the whole row (with held-out figures at an evaluation), as telemetry records it."""
 
-    def on_window_end(self, state: LoopState) -> None: ...
+    def on_window_end(self, state: LoopState) -> None:
+        """After window state.window has run (and logged, when state.logged)."""
 
-    def on_end(self, state: LoopState) -> None: ...
+    def on_end(self, state: LoopState) -> None:
+        """Once, after the last window, also when a window failed."""
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,8 @@ def cmd_evaluate(argv: list[str]) -> int:
 
     model = load(path, **args)
     print(f"loaded {path} (window {model.window})", file=sys.stderr)
-    out = {"checkpoint": str(path), "window": model.window, **model.evaluate()}
+    validation = model.evaluate(split="validation") if model.cfg.validation_fraction else {}
+    out = {"checkpoint": str(path), "window": model.window, **model.evaluate(), **validation}
     print(strictjson.dumps(out, indent=2))
     return 0
 

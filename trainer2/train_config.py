@@ -45,9 +45,11 @@ class RunConfig(Section):
         1,
         ge=0,
         le=1024,
-        description="Threads for CPU math per process (torch.set_num_threads); 0 = every core this "
-        "process may use (OMP_NUM_THREADS when set). 1 by default: the matrices are small, so a second "
-        "thread gains little on an idle machine and stalls the run when another process is busy.",
+        description="Threads for CPU math per process (torch.set_num_threads); 0 = measured: every core this process "
+        "may use (OMP_NUM_THREADS when set) while that is faster than one thread, one while the machine is shared "
+        "(timed every 2 minutes; a run whose count changes is not bitwise reproducible). 1 by default: the "
+        "matrices are small, so a second thread gains little on an idle machine and stalls the run when another "
+        "process is busy.",
     )
     checkpoint_dir: str = Field("checkpoints", description="Directory holding one folder per run.")
 

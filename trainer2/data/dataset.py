@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "validation", "heldout")
 
 
 class DataError(ValueError):
@@ -42,6 +42,9 @@ class Dataset:
     # images: per-channel (mean, std) that made the rows from the raw pixels, (x - mean) / std, so new images can be
     # scored the same way (trainer2.running.model)
     normalise: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    # the end of the training data set apart for tuning (with_validation), empty when there is none
+    validation: torch.Tensor | None = None
+    validation_y: torch.Tensor | None = None
 
     @property
     def tokens(self) -> bool:
@@ -55,12 +58,32 @@ class Dataset:
             return self.train, self.train_y
         if split == "heldout":
             return self.heldout, self.heldout_y
+        if split == "validation" and self.validation is not None:
+            return self.validation, self.validation_y
+        if split == "validation":
+            raise ValueError(f"{self.source}: no 'validation' split (set validation_fraction to make one)")
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
 
     def num_examples(self, split: str) -> int:
-        """Number of examples in `split`: text T - context_len windows, features N rows."""
+        """Number of examples in `split`: text T - context_len windows, features N rows (0 for no validation)."""
+        if split == "validation" and self.validation is None:
+            return 0
         data, _ = self._split(split)
         return len(data) - self.context_len if self.tokens else len(data)
+
+    def with_validation(self, fraction: float) -> "Dataset":
+        """This data set with the last `fraction` of its training split (by position) set apart as the validation
+        split; a split too short for one example is a DataError."""
+        n = len(self.train)
+        cut = n - max(1, round(n * fraction))
+        need = self.context_len + 1 if self.tokens else 1  # text: a window and its target on each side
+        if cut < need or n - cut < need:
+            raise DataError(
+                f"{self.source}: validation_fraction {fraction:g} of the {self.num_examples('train')} training "
+                "examples leaves a split too short for one example; lower or raise it"
+            )
+        ys = (None, None) if self.train_y is None else (self.train_y[:cut], self.train_y[cut:])
+        return replace(self, train=self.train[:cut], validation=self.train[cut:], train_y=ys[0], validation_y=ys[1])
 
     def batch(self, split: str, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """idx int64 [B] -> text: (contexts int64 [B, context_len], targets int64 [B]);
@@ -242,6 +265,16 @@ def split_rows(n: int, heldout_fraction: float) -> int:
     return min(n - 1, max(1, n - round(n * heldout_fraction)))
 
 
+def held_out(
+    x: np.ndarray, y: np.ndarray, x_held: np.ndarray | None, y_held: np.ndarray | None, heldout_fraction: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x, y, x_held, y_held): the given held-out split, else the last heldout_fraction of the rows, by position."""
+    if x_held is not None and y_held is not None:
+        return x, y, x_held, y_held
+    n_train = split_rows(len(x), heldout_fraction)
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
 def feature_dataset(
     source: str,
     x: np.ndarray,
@@ -252,9 +285,7 @@ def feature_dataset(
 ) -> Dataset:
     """Feature rows x [N, D] (float32 as they are: features are not normalised) with labels y [N]; held-out: the given
     split, else the last heldout_fraction of the rows, by position (shuffle ordered rows first)."""
-    if x_held is None or y_held is None:
-        n_train = split_rows(len(x), heldout_fraction)
-        x, x_held, y, y_held = x[:n_train], x[n_train:], y[:n_train], y[n_train:]
+    x, y, x_held, y_held = held_out(x, y, x_held, y_held, heldout_fraction)
 
     def rows(a: np.ndarray, dtype: type) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))

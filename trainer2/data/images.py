@@ -16,7 +16,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from trainer2.data.dataset import DataError, Dataset, split_rows
+from trainer2.data.dataset import DataError, Dataset, held_out
 from trainer2.data.load import DataConfig
 from trainer2.io.safeio import open_regular
 
@@ -45,9 +45,7 @@ def image_dataset(
 ) -> Dataset:
     """Images x [N, H, W] or [N, C, H, W] with labels y [N] as normalised rows; held-out: the given split, else the
     last heldout_fraction of the rows (by position). Each channel is normalised by the training split's mean and std."""
-    if x_held is None or y_held is None:
-        n_train = split_rows(len(x), heldout_fraction)
-        x, x_held, y, y_held = x[:n_train], x[n_train:], y[:n_train], y[n_train:]
+    x, y, x_held, y_held = held_out(x, y, x_held, y_held, heldout_fraction)
     x, x_held = (a[:, None] if a.ndim == 3 else a for a in (x, x_held))
     if x.shape[1:] != x_held.shape[1:]:
         raise DataError(f"{source}: the train images are {x.shape[1:]} but the held-out ones {x_held.shape[1:]}")

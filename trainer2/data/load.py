@@ -35,6 +35,14 @@ class DataConfig(Section):
     )
     context_len: int = Field(8, ge=1, le=2**16, description="Characters of context per example (text data).")
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of the data, by position, held out.")
+    validation_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Fraction of the training data, by position (its end), set apart as a validation split: evaluated "
+        "and logged beside the held-out split (validation_*), so settings are tuned without looking at the held-out "
+        "figure; 0 = none.",
+    )
     augment_shift: int = Field(
         0,
         ge=0,
@@ -88,9 +96,14 @@ def find_format(path: str | None, name: str) -> DataFormat:
     raise DataError(f"{path}: no data format recognises it; name one with --data_format")
 
 
-def load_data(cfg: DataConfig) -> Dataset:
-    """The data set cfg.data names, read by its format (cfg.data_format)."""
-    return find_format(cfg.data, cfg.data_format).load(cfg.data, cfg)
+def load_data(cfg: DataConfig, data: Dataset | None = None) -> Dataset:
+    """The data set cfg.data names, read by its format (cfg.data_format), or `data` (given in memory); with the end
+    of its training split set apart for validation when cfg.validation_fraction > 0."""
+    if data is None:
+        data = find_format(cfg.data, cfg.data_format).load(cfg.data, cfg)
+    if cfg.validation_fraction and data.validation is None:
+        data = data.with_validation(cfg.validation_fraction)
+    return data
 
 
 def load_dataset(

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from trainer2.callbacks import LoopState
+from trainer2.callbacks import Callback, LoopState
 from trainer2.monitor.profiling import PhaseTimer, WindowProfiler, timing_table
 from trainer2.monitor.progress import ProgressBar
 from trainer2.monitor.telemetry import Telemetry, residual_line
@@ -84,7 +84,7 @@ class StepReporter:
             self.last = now
 
 
-class Monitor:
+class Monitor(Callback):
     """Observability of one run, a callback of the training loop: phase timing, profiler, cache cleanup, step progress
     (on the bar), and the telemetry file and TensorBoard. The loop also times its phases through `phase(name)`.
     writes=False (ranks other than 0 under torchrun): no telemetry file, config file, timing table or trace."""
@@ -155,9 +155,6 @@ class Monitor:
 
     def on_window_start(self, state: LoopState) -> None:
         self.profiler.before_window(state.window)
-
-    def on_metrics(self, state: LoopState, row: dict[str, Any]) -> None:
-        pass
 
     def on_log(self, state: LoopState, row: dict[str, Any]) -> None:
         """Add memory, cleanup count and phase timings to a log row, write it, print the timing table."""

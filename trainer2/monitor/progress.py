@@ -6,12 +6,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from trainer2.callbacks import LoopState
+from trainer2.callbacks import Callback, LoopState
 
 PIPE_INTERVAL = 30.0  # seconds between bar lines when stderr is no terminal (a pipe, CI): a line every 30 s, no flood
 
 
-class ProgressBar:
+class ProgressBar(Callback):
     """A tqdm bar of `total` windows named `desc`, with the latest training (and held-out) figures beside it."""
 
     def __init__(self, desc: str, show: bool) -> None:
@@ -33,12 +33,6 @@ class ProgressBar:
         if not self.bar.disable and not getattr(self.bar.fp, "isatty", lambda: False)():
             self.bar.mininterval = self.bar.maxinterval = PIPE_INTERVAL
 
-    def on_window_start(self, state: LoopState) -> None:
-        pass
-
-    def on_metrics(self, state: LoopState, row: dict[str, Any]) -> None:
-        pass
-
     def on_log(self, state: LoopState, row: dict[str, Any]) -> None:
         self.bar.set_postfix(postfix(row), refresh=False)
 
@@ -58,8 +52,8 @@ def postfix(row: dict[str, Any]) -> dict[str, str]:
     if "train_bpc" in row:
         out["bpc"] = f"{row['train_bpc']:.3f}"
     out.update(acc=f"{row['train_acc']:.3f}", lior=f"{row['lior_mean']:.3g}", spd=f"{row['spd_last']:.2g}")
-    if "heldout_bpc" in row:
-        out["val_bpc"] = f"{row['heldout_bpc']:.3f}"
-    elif "heldout_acc" in row:
-        out["val_acc"] = f"{row['heldout_acc']:.3f}"
+    for split, short in (("validation", "val"), ("heldout", "held")):  # text: bits per character; else accuracy
+        key = f"{split}_bpc" if f"{split}_bpc" in row else f"{split}_acc"
+        if key in row:
+            out[f"{short}_{key.rsplit('_', 1)[1]}"] = f"{row[key]:.3f}"
     return out

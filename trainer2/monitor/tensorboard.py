@@ -33,6 +33,7 @@ TAGS = {
 PREFIXES = (
     ("train_", "train/"),
     ("heldout_", "heldout/"),
+    ("validation_", "validation/"),
     ("lior_", "lior/"),
     ("update_norm_", "update/norm_"),
     ("mem_", "memory/"),

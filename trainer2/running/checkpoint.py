@@ -91,6 +91,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "relaxation": "jacobi",
     "rule": "ep",
     "cost": "retrieval",
+    "validation_fraction": 0.0,
 }
 
 
@@ -391,7 +392,7 @@ def data_fingerprint(data: Dataset) -> dict[str, Any]:
     digest = data.digest  # a token cache's: the same hash, taken when the cache was made
     if digest is None:
         h = hashlib.sha256()
-        for t in (data.train, data.heldout, data.train_y, data.heldout_y):
+        for t in (data.train, data.heldout, data.train_y, data.heldout_y, data.validation, data.validation_y):
             if t is not None:
                 h.update(t.contiguous().numpy())  # the buffer itself: no copy of a 100 MB corpus
         digest = h.hexdigest()
@@ -401,6 +402,7 @@ def data_fingerprint(data: Dataset) -> dict[str, Any]:
         "vocab": data.vocab,
         "num_train": data.num_examples("train"),
         "num_heldout": data.num_examples("heldout"),
+        **({"num_validation": data.num_examples("validation")} if data.validation is not None else {}),
         "sha256": digest,
         **InputSpec.of(data).to_json(),
     }

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer2.callbacks import LoopState, Stop
+from trainer2.callbacks import Callback, LoopState, Stop
 from trainer2.data.dataset import DataError, Dataset
 from trainer2.data.sampler import Sampler, sampler_state
 from trainer2.running import checkpoint as ck
@@ -35,7 +35,7 @@ class Progress:
     wall_seconds: float = 0.0
 
 
-class Checkpointer:
+class Checkpointer(Callback):
     """A callback that saves a checkpoint every `every` windows (0: none between) and at the window a stop was asked
     for; the final one is the trainer's. Parameters that are not finite are never saved: finding them stops the run
     as a divergence, naming the windows since the last log row."""
@@ -46,12 +46,6 @@ class Checkpointer:
 
     def on_start(self, state: LoopState) -> None:
         self.since = state.window
-
-    def on_window_start(self, state: LoopState) -> None:
-        pass
-
-    def on_metrics(self, state: LoopState, row: dict[str, Any]) -> None:
-        pass
 
     def on_log(self, state: LoopState, row: dict[str, Any]) -> None:
         self.since = row["window"]
@@ -66,9 +60,6 @@ class Checkpointer:
             state.stop = Stop(diverged=(nonfinite(self.since, state.window), state.window))
         elif not state.done:  # the final checkpoint is the trainer's
             self.save()
-
-    def on_end(self, state: LoopState) -> None:
-        pass
 
 
 def run_meta(

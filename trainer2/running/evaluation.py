@@ -31,12 +31,16 @@ def relaxation_cache(machine: Machine, cfg: DynamicsConfig, memory: MemoryBank |
 
 @torch.no_grad()
 def heldout_metrics(
-    relaxation_for: Callable[[int], Relaxation], data: Dataset, device: torch.device, max_batches: int | None
+    relaxation_for: Callable[[int], Relaxation],
+    data: Dataset,
+    device: torch.device,
+    max_batches: int | None,
+    split: str = "heldout",
 ) -> dict[str, float]:
-    """Held-out loss (nats per example), accuracy and, for text, bits per character; one host sync at the end.
-
-    relaxation_for(batch) gives the (cached) relaxation for a batch size."""
-    return heldout_from_sums(heldout_sums(relaxation_for, data, device, max_batches), data.tokens)
+    """Loss (nats per example), accuracy and, for text, bits per character of a split (held-out, or validation), keyed
+    `<split>_loss` and so on; one host sync at the end. relaxation_for(batch) gives the (cached) relaxation for a batch
+    size."""
+    return split_metrics(heldout_sums(relaxation_for, data, device, max_batches, split=split), data.tokens, split)
 
 
 @torch.no_grad()
@@ -46,26 +50,47 @@ def heldout_sums(
     device: torch.device,
     max_batches: int | None,
     shard: tuple[int, int] = (0, 1),
+    split: str = "heldout",
 ) -> Tensor:
-    """float64 (3,) on `device`: summed loss (nats), number correct, number scored, over the held-out batches
-    k with k % shard[1] == shard[0] (rank, world size): adding every shard's sums gives the whole split's."""
+    """float64 (3,) on `device`: summed loss (nats), number correct, number scored, over the batches k of `split` (the
+    held-out one unless named) with k % shard[1] == shard[0] (rank, world size): adding every shard's sums gives the
+    whole split's."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     count, (rank, world) = 0, shard
-    for k, idx in enumerate(heldout_batches(data.num_examples("heldout"), EVAL_BATCH, max_batches)):
+    for k, idx in enumerate(heldout_batches(data.num_examples(split), EVAL_BATCH, max_batches)):
         if k % world != rank:
             continue
-        inputs, targets = data.batch("heldout", idx)
+        inputs, targets = data.batch(split, idx)
         loss, correct = relaxation_for(len(idx)).score(inputs.to(device), targets.to(device))
         sums += torch.stack([loss.to(sums.dtype), correct.to(sums.dtype)])
         count += len(idx)
     return torch.cat([sums, sums.new_tensor([count])])
 
 
-def heldout_from_sums(sums: Tensor, tokens: bool) -> dict[str, float]:
-    """The held-out metrics from heldout_sums (one device-to-host transfer); bits per character for text (tokens)."""
+def split_metrics(sums: Tensor, tokens: bool, split: str = "heldout") -> dict[str, float]:
+    """A split's metrics from heldout_sums (one device-to-host transfer), keyed `<split>_loss`, `<split>_acc` and, for
+    text (tokens), `<split>_bpc`."""
     loss_v, correct_v, count = sums.tolist()
     mean = loss_v / max(count, 1)
-    out = {"heldout_loss": mean, "heldout_acc": correct_v / max(count, 1)}
+    out = {f"{split}_loss": mean, f"{split}_acc": correct_v / max(count, 1)}
     if tokens:
-        out["heldout_bpc"] = mean / math.log(2)
+        out[f"{split}_bpc"] = mean / math.log(2)
+    return out
+
+
+def evaluate_splits(
+    relaxation_for: Callable[[int], Relaxation],
+    data: Dataset,
+    device: torch.device,
+    max_batches: int | None,
+    shard: tuple[int, int],
+    reduce: Callable[[Tensor, str], None],
+) -> dict[str, float]:
+    """The metrics of the validation split (when there is one) and the held-out split, this process scoring its `shard`
+    of the batches and `reduce` (an all-reduce sum under torchrun) adding up every process's sums."""
+    out: dict[str, float] = {}
+    for split in ("validation", "heldout") if data.validation is not None else ("heldout",):
+        sums = heldout_sums(relaxation_for, data, device, max_batches, shard, split)
+        reduce(sums, f"the {split} evaluation")
+        out.update(split_metrics(sums, data.tokens, split))
     return out

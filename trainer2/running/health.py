@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from trainer2.callbacks import LoopState, Stop
+from trainer2.callbacks import Callback, LoopState, Stop
 from trainer2.running import checkpoint as ck
 
 # A settled free phase ends at spd_last = sqrt(eps): the dev preset sits at 1.00-1.02x; 3 or 6 free steps instead of
@@ -31,7 +31,7 @@ class Diverged(RuntimeError):
 
 
 @dataclass
-class Health:
+class Health(Callback):
     """A callback that checks each log row of windows since+1..window: a divergence sets state.stop; it holds the
     state of a run of dropped updates and the warning."""
 
@@ -46,9 +46,6 @@ class Health:
     def on_start(self, state: LoopState) -> None:
         self.since = state.window
 
-    def on_window_start(self, state: LoopState) -> None:
-        pass
-
     def on_metrics(self, state: LoopState, row: dict[str, Any]) -> None:
         found = self.diverged(row, self.since)
         if found is not None and state.stop is None:
@@ -58,12 +55,6 @@ class Health:
     def on_log(self, state: LoopState, row: dict[str, Any]) -> None:
         if state.stop is None or state.stop.diverged is None:
             self.warn_unsettled(row)
-
-    def on_window_end(self, state: LoopState) -> None:
-        pass
-
-    def on_end(self, state: LoopState) -> None:
-        pass
 
     def diverged(self, row: dict[str, Any], since: int) -> tuple[str, int] | None:
         """None, or (what happened, the last window whose checkpoint is still good): a parameter became

@@ -74,8 +74,10 @@ class Model:
         """Class ids (N,) of inputs x: the likeliest class of each."""
         return self.predict_proba(x).argmax(1)
 
-    def evaluate(self, data: Dataset | None = None, max_batches: int | None = None) -> dict[str, float]:
-        """Held-out loss (nats per example), accuracy and, for text, bits per character on the held-out split of
+    def evaluate(
+        self, data: Dataset | None = None, max_batches: int | None = None, split: str = "heldout"
+    ) -> dict[str, float]:
+        """Loss (nats per example), accuracy and, for text, bits per character on the held-out split (or `split`) of
         `data` (default: the data set the model was trained on, checked to be the same by its fingerprint)."""
         if data is None:
             if self.data is None:
@@ -89,7 +91,7 @@ class Model:
                 f"reads {spec.kind} of {spec.input_dim} values in {spec.num_classes} classes"
             )
         limit = max_batches if max_batches is not None else self.cfg.eval_batches
-        return heldout_metrics(self.relaxation, data, self.device, limit)
+        return heldout_metrics(self.relaxation, data, self.device, limit, split)
 
     def rows(self, x: Any) -> Tensor:
         """The machine's input rows of raw inputs x, checked against the inputs it was trained on."""

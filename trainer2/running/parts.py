@@ -65,8 +65,7 @@ def build_parts(
     `world` processes), then build a fresh machine on it and its memory bank for `batch` rows per write
     (cfg.batch_size unless given); the same config and seed always give the same parts."""
     flush_denormal()  # this thread's CPU arithmetic skips the slow subnormals (trainer2.learning.subnormals)
-    if data is None:
-        data = load_data(cfg.section(DataConfig))
+    data = load_data(cfg.section(DataConfig), data)
     if cfg.augment_shift and data.input_shape is None:
         raise ConfigError(
             f"augment_shift: {cfg.augment_shift} moves images, but the data ({data.source}) is {data.kind}, not "

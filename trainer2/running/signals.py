@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from trainer2.callbacks import LoopState, Stop
+from trainer2.callbacks import Callback, LoopState, Stop
 
 # SIGHUP: the terminal closed; SIGQUIT: Ctrl-backslash, whose default (a core dump) would lose the work since the last
 # checkpoint; SIGUSR1 / SIGUSR2: what SLURM (--signal=USR1@90) and other schedulers send ahead of a preemption, whose
@@ -73,7 +73,7 @@ class Ranks(Protocol):
     def all_reduce_sum(self, t: Tensor, what: str) -> None: ...
 
 
-class SignalStop:
+class SignalStop(Callback):
     """A callback that stops the loop after the window in which a stop signal arrived (`signals` is entered around
     the whole run by its owner). Under torchrun the ranks must stop at the same window: they agree at log intervals
     (one all-reduce), and a rank that got no signal takes another's."""
@@ -81,24 +81,9 @@ class SignalStop:
     def __init__(self, signals: StopSignals, ranks: Ranks, device: torch.device) -> None:
         self.signals, self.ranks, self.device = signals, ranks, device
 
-    def on_start(self, state: LoopState) -> None:
-        pass
-
-    def on_window_start(self, state: LoopState) -> None:
-        pass
-
-    def on_metrics(self, state: LoopState, row: dict[str, Any]) -> None:
-        pass
-
-    def on_log(self, state: LoopState, row: dict[str, Any]) -> None:
-        pass
-
     def on_window_end(self, state: LoopState) -> None:
         if state.stop is None and self.asked(state.logged):
             state.stop = Stop(signal=self.signals.received.name)
-
-    def on_end(self, state: LoopState) -> None:
-        pass
 
     def asked(self, logged: bool) -> bool:
         """Whether a stop signal ends the run after this window (the agreement runs at log intervals only)."""

@@ -23,9 +23,8 @@ def last_evaluation(history: list[dict[str, Any]]) -> dict[str, Any] | None:
 def summary(last_eval: dict[str, Any] | None, data_kind: str, progress: Progress, **ending: Any) -> dict[str, Any]:
     """The summary of a run at `progress` whose last held-out evaluation is `last_eval` (a log row, or None); `ending`
     adds the dropped-update count, device, window backend, interrupted and diverged fields (and an error)."""
-    held = (
-        {k: last_eval[k] for k in ("heldout_bpc", "heldout_acc", "heldout_loss") if k in last_eval} if last_eval else {}
-    )
+    figures = [f"{split}_{m}" for split in ("heldout", "validation") for m in ("bpc", "acc", "loss")]
+    held = {k: last_eval[k] for k in figures if k in (last_eval or {})}
     wall = progress.wall_seconds
     out = {
         **held,

@@ -47,15 +47,16 @@ from trainer2.running.checkpointing import (
 )
 from trainer2.running.checkpointing import run_meta as make_meta
 from trainer2.running.distributed import Distributed
-from trainer2.running.evaluation import heldout_from_sums, heldout_sums, relaxation_cache
+from trainer2.running.evaluation import evaluate_splits, relaxation_cache
 from trainer2.running.health import Diverged, Health, all_finite, divergence_message
 from trainer2.running.metrics import metric_row
-from trainer2.running.parts import build_parts, resolve_device, set_library_switches
+from trainer2.running.parts import all_cpu_threads, build_parts, resolve_device, set_library_switches
 from trainer2.running.resume import resume_command
 from trainer2.running.rundir import claim, write_error
 from trainer2.running.signals import SignalStop, StopSignals
 from trainer2.running.step_runner import StepRunner
 from trainer2.running.summary import last_evaluation, run_header, summary, write_summary
+from trainer2.running.threads import thread_tuners
 from trainer2.section import ConfigError
 from trainer2.train_config import TrainConfig, to_yaml
 
@@ -115,15 +116,16 @@ class Trainer:
         self.saved_at = -1  # window of the last checkpoint this trainer saved or loaded
         self.interval = (time.perf_counter(), 0)  # (clock, window) where the current log interval began
         self.signals = StopSignals()
-        graphs = cfg.use_cudagraphs and self.device.type == "cuda"  # without CUDA the StepRunner warns once
         bar = ProgressBar(cfg.run_name, show=self.dist.is_main)
-        eager = not (graphs or cfg.use_torch_compile)
+        eager = not ((cfg.use_cudagraphs and self.device.type == "cuda") or cfg.use_torch_compile)  # else timed whole
         self.monitor = Monitor(cfg, self.device, self.run_dir, eager, step.relax, bar, log, writes=self.dist.is_main)
         health = Health(cfg.eps, log, uniform_loss=math.log(max(built.data.num_classes, 2)))
         saver = Checkpointer(cfg.save_every_windows, self.save_checkpoint, lambda: all_finite(params.tensors))
         # Order matters at each hook: the bar first (the monitor hooks step progress into it), the stop signal
         # before the checkpointer (which saves at the window a stop was asked for), the monitor's record last.
-        self.callbacks = Callbacks((bar, health, SignalStop(self.signals, self.dist, self.device), saver, self.monitor))
+        tuners = thread_tuners(cfg.cpu_threads, all_cpu_threads(), self.device.type, log)  # cpu_threads 0: measured
+        stop = SignalStop(self.signals, self.dist, self.device)
+        self.callbacks = Callbacks((*tuners, bar, health, stop, saver, self.monitor))
 
     # --- the wired parts, by name (read-only: Parts is frozen, and these properties have no setter) ---
 
@@ -234,12 +236,11 @@ class Trainer:
     # --- evaluation ---
 
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
-        """Held-out loss (nats per example), accuracy and, for text, bits per character; one sync at the end.
-        Under torchrun each rank scores every world_size-th batch and the sums are added up."""
+        """Held-out (and, with a validation split, validation) loss in nats per example, accuracy and, for text, bits
+        per character. Under torchrun each rank scores every world_size-th batch and the sums are added up."""
         limit = max_batches if max_batches is not None else self.cfg.eval_batches
-        sums = heldout_sums(self.scoring, self.data, self.device, limit, (self.dist.rank, self.dist.world_size))
-        self.dist.all_reduce_sum(sums, "the held-out evaluation")
-        return heldout_from_sums(sums, self.data.tokens)
+        shard = (self.dist.rank, self.dist.world_size)
+        return evaluate_splits(self.scoring, self.data, self.device, limit, shard, self.dist.all_reduce_sum)
 
     # --- state ---
 
