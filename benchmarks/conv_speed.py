@@ -1,9 +1,12 @@
-"""The conv coupling's pulls on the CPU: the adjoint (transposed convolution) with its input contiguous (NCHW) against
-channels-last (what trainer2/physics/couplings/conv.py uses), and the upward pull, at the conv preset's layer sizes.
+"""The conv coupling's pulls and EP statistic on the CPU, at the conv preset's layer sizes: the adjoint (transposed
+convolution) with its input contiguous (NCHW) against channels-last (what trainer2/physics/couplings/conv.py uses),
+the upward pull, and the statistic as unfold and a product (the code before 2026-11-25) against one convolution with
+rows as channels (Conv.correlation).
 
     python -m benchmarks.conv_speed [--rows 64] [--rounds 15] [--threads 1]
 
-Interleaved rounds in one run; prints the median milliseconds of each and the ratio NCHW / channels-last.
+Interleaved rounds in one run; prints the median milliseconds of each and the ratios NCHW / channels-last and
+unfold / convolution.
 """
 
 from __future__ import annotations
@@ -52,7 +55,25 @@ def main() -> None:
         def up() -> None:
             c.up(lower, above)
 
-        runs = {"adjoint NCHW": nchw, "adjoint channels-last": channels_last, "up": up}
+        both = torch.rand(2 * args.rows, math.prod(c.above_shape), generator=gen)  # the statistic sees both phases
+        lower2 = torch.rand(2 * args.rows, lower.shape[1], generator=gen)
+
+        def unfold() -> None:
+            ke = c.weight.shape[-1] + c.pool - 1
+            cols = F.unfold(c.image(lower2), ke, padding=c.padding, stride=c.pool)
+            g = torch.einsum("rol,rdl->od", both.view(2 * args.rows, c.above_shape[0], -1), cols)
+            F.avg_pool2d(g.view(c.weight.shape[0], -1, ke, ke), c.pool, stride=1)
+
+        def convolution() -> None:
+            c.correlation(both, lower2)
+
+        runs = {
+            "adjoint NCHW": nchw,
+            "adjoint channels-last": channels_last,
+            "up": up,
+            "statistic unfold": unfold,
+            "statistic convolution": convolution,
+        }
         times: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(args.rounds):
             for name, fn in runs.items():
@@ -65,6 +86,7 @@ def main() -> None:
             f"{below} -> {c.above_shape}: "
             + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items())
             + f"; NCHW / channels-last {med['adjoint NCHW'] / med['adjoint channels-last']:.2f}x"
+            + f"; unfold / convolution {med['statistic unfold'] / med['statistic convolution']:.2f}x"
         )
 
 
