@@ -1,5 +1,6 @@
-"""Writes tests/data/reference_50_windows.json: parameters after 50 float64 windows of the dev and deep presets
-(and a three-hidden-layer dev machine), sampled at fixed positions, as trained by the code this is run on.
+"""Writes tests/data/reference_50_windows.json: parameters after 50 float64 windows of the dev and deep presets (and a
+three-hidden-layer dev machine), with the window settings those presets had on the recorded commit (CASES), sampled at
+fixed positions, as trained by the code this is run on.
 
     python tests/make_reference.py     # run once, on the commit named in the file; tests/test_reference.py reads it
 """
@@ -22,7 +23,17 @@ from trainer2.running.trainer import Trainer
 from trainer2.train_config import build_config
 
 OUT = Path(__file__).resolve().parent / "data" / "reference_50_windows.json"
-CASES = {"dev": ("dev", {}), "deep": ("deep", {}), "dev_three_layers": ("dev", {"hidden_sizes": [48, 32, 24]})}
+# The presets' window and step as they were when the values were recorded (dc24e50): Jacobi 12 / 6, and dev's batch
+# 64 at Adam 0.003. Issue 37 moved the presets to even/odd 6 / 3 (and dev to batch 128 at 0.004); pinning the old
+# settings keeps the recorded values a check that the arithmetic of that window is unchanged since dc24e50 (the
+# even/odd window is checked against Jacobi's in tests/test_even_odd.py).
+DC24E50_DEV = {"relaxation": "jacobi", "free_steps": 12, "nudge_steps": 6, "batch_size": 64, "eta_update": 0.003}
+DC24E50_PRODUCTION = {"relaxation": "jacobi", "free_steps": 12, "nudge_steps": 6}
+CASES = {
+    "dev": ("dev", DC24E50_DEV),
+    "deep": ("deep", DC24E50_PRODUCTION),
+    "dev_three_layers": ("dev", {**DC24E50_DEV, "hidden_sizes": [48, 32, 24]}),
+}
 SAMPLES = 64  # entries kept per parameter, evenly spaced over its flattened elements
 
 

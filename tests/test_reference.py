@@ -1,6 +1,7 @@
 """The presets train the same machine as before the energy became a list of couplings: parameters after 50 float64
-windows of the dev and deep presets (and a three-hidden-layer machine) match values recorded by
-tests/make_reference.py on the commit named in tests/data/reference_50_windows.json."""
+windows of the dev and deep presets (and a three-hidden-layer machine), with the Jacobi 12 / 6 window they had then
+(the overrides in the file), match values recorded by tests/make_reference.py on the commit named in
+tests/data/reference_50_windows.json."""
 
 from __future__ import annotations
 
