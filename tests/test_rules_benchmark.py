@@ -22,7 +22,7 @@ def tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_every_rule_is_measured_against_the_exact_gradient(tiny):
-    res = bench.run_machine("dense", ["ep", "ep_positive", "chl", "rbp"], True, tiny, None)
+    res = bench.run_machine("dense", ["ep", "ep_positive", "chl", "rbp"], True, tiny, bench.Steps(None, 12, 6))
     assert set(res) == {"ep", "ep_positive", "chl", "rbp"}
     for r in res.values():
         assert 0.0 <= r["heldout_acc"] <= 1.0 and r["seconds_per_window"] > 0 and -1 <= r["cosine_to_exact"] <= 1
@@ -32,5 +32,5 @@ def test_every_rule_is_measured_against_the_exact_gradient(tiny):
 
 
 def test_the_costs_runs_report_held_out_accuracy(tiny):
-    out = bench.run_costs(["mse", "cross_entropy"], True, tiny, None)
+    out = bench.run_costs(["mse", "cross_entropy"], True, tiny, bench.Steps())
     assert set(out) == {"mse", "cross_entropy"} and all(0.0 <= a <= 1.0 for a in out.values())

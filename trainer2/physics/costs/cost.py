@@ -100,11 +100,15 @@ def zero_grads(p: ReadoutParams) -> ReadoutParams:
     return ReadoutParams(*(torch.zeros_like(t) for t in (p.g_diag, p.theta, p.protos, p.r_sc)))
 
 
-def distance_scores(q: Tensor, f: CostFrame, mask: Tensor, sc: ReadoutScratch) -> tuple[Tensor, Tensor]:
-    """The Euclidean costs' scores: logits -1/2 |q - c_k|^2 (as q . c_k - 1/2 |c_k|^2, the same up to a per-row
-    constant), per-example loss logsumexp - logit_y (R,) in nats and probabilities softmax(logits) (R, V); the logits
-    are left in sc.w and the probabilities in sc.pi."""
+def distance_scores(
+    q: Tensor, f: CostFrame, mask: Tensor, sc: ReadoutScratch, scale: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The Euclidean costs' scores: logits -scale/2 |q - c_k|^2 (as scale (q . c_k - 1/2 |c_k|^2), the same up to a
+    per-row constant; scale 1 when None), per-example loss logsumexp - logit_y (R,) in nats and probabilities
+    softmax(logits) (R, V); the logits are left in sc.w and the probabilities in sc.pi."""
     torch.addmm(f.half_sq, q, f.cand.coords.T, out=sc.w)
+    if scale is not None:
+        sc.w.mul_(scale)
     torch.ops.aten._softmax.out(sc.w, 1, False, out=sc.pi)
     loss = torch.logsumexp(sc.w, 1).sub_(torch.mul(sc.w, mask).sum(1))
     return loss, sc.pi.clone()  # sc is overwritten by the next readout
