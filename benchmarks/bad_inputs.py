@@ -684,7 +684,10 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
 
 def limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS))
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # As from a terminal: a benchmark started under nohup or as a background job ignores these, and its children
+    # would inherit that (trainer2 leaves an ignored signal ignored), so the signal cases would never stop.
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def outside_runs(root: Path) -> dict[str, str]:
