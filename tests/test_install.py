@@ -91,7 +91,7 @@ def test_the_installed_wheel_runs_every_command_from_another_directory(installed
 
     r = run_in(work, site, site / "bin" / "trainer2", "--preset", "dev", "--print_config")
     assert r.returncode == 0, r.stderr
-    assert f"free_steps: 12  # preset {preset}" in r.stdout.splitlines()
+    assert f"free_steps: 6  # preset {preset}" in r.stdout.splitlines()
 
     r = run_in(
         work,
@@ -111,7 +111,7 @@ def test_the_installed_wheel_runs_every_command_from_another_directory(installed
     assert r.returncode == 0, r.stderr
     assert "done: 3 windows" in r.stdout
     ckpt = work / "ck" / "dev" / "step_00000003"
-    assert yaml.safe_load((work / "ck" / "dev" / "config.yaml").read_text())["free_steps"] == 12
+    assert yaml.safe_load((work / "ck" / "dev" / "config.yaml").read_text())["free_steps"] == 6
 
     r = run_in(work, site, sys.executable, "-m", "trainer2", "evaluate", "--checkpoint", ckpt, "--eval_batches", "1")
     assert r.returncode == 0, r.stderr
