@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -10,6 +11,25 @@ import pytest
 # is defined, so it is set before any test can import one (tests/test_triton_window.py). An explicit
 # TRITON_INTERPRET=0 is kept, and the kernel tests then skip saying so.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def signals_as_from_a_terminal():
+    """The stop signals at their defaults, as in a terminal. Started under nohup or as a background job, pytest
+    inherits SIGHUP, SIGQUIT or SIGINT ignored, and trainer2 (and every child a test starts) leaves an ignored signal
+    ignored, so the tests of stopping on them would fail for the way the suite was started."""
+    defaults = {
+        signal.SIGINT: signal.default_int_handler,
+        signal.SIGHUP: signal.SIG_DFL,
+        signal.SIGQUIT: signal.SIG_DFL,
+    }
+    before = {sig: signal.getsignal(sig) for sig in defaults}
+    for sig, handler in defaults.items():
+        if before[sig] is signal.SIG_IGN:
+            signal.signal(sig, handler)
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture
