@@ -1,7 +1,8 @@
 """Time to accuracy: the presets of this checkout against an earlier one's, whole runs one after another on one
 machine, each with the threads its preset asks for.
 
-    python -m benchmarks.time_to_accuracy --base /path/to/62de6d8 --data mnist5000.npz [--only conv dev] [--seed 0]
+    python -m benchmarks.time_to_accuracy --base /path/to/62de6d8 --data mnist5000.npz [--only conv conv_deep dev]
+        [--seed 0]
 
 Runs, in this order: the base's `conv` preset and this checkout's `conv` and `conv_deep` on the image file (`--data`,
 `--heldout_fraction 0.2`: the last fifth held out), then the base's `dev` preset and this checkout's on the built-in
@@ -69,14 +70,14 @@ def main() -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="the earlier checkout (issue 37: 62de6d8)")
     p.add_argument("--data", required=True, help="the image .npz (the MNIST 5k sample of benchmarks/mnist.py)")
-    p.add_argument("--only", nargs="+", choices=["conv", "dev"], default=["conv", "dev"])
+    p.add_argument("--only", nargs="+", choices=["conv", "conv_deep", "dev"], default=["conv", "conv_deep", "dev"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     base, data = Path(args.base).resolve(), Path(args.data).resolve()
     jobs = []
-    if "conv" in args.only:
-        jobs += [Job("base conv", base, "conv", "conv", True), Job("conv", HERE, "conv", "conv", True)]
-        jobs += [Job("conv_deep", HERE, "conv_deep", "conv", True)]
+    if {"conv", "conv_deep"} & set(args.only):  # conv_deep's time is compared with the base's conv
+        jobs += [Job("base conv", base, "conv", "conv", True)]
+    jobs += [Job(name, HERE, name, "conv", True) for name in ("conv", "conv_deep") if name in args.only]
     if "dev" in args.only:
         jobs += [Job("base dev", base, "dev", "dev", False), Job("dev", HERE, "dev", "dev", False)]
     results: list[Result] = []
