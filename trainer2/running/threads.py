@@ -3,16 +3,21 @@ the machine is shared.
 
 On an idle 2-core CPU a conv window runs 1.6x faster on both cores; when another process keeps one core busy, the
 intra-op thread that shares its core stalls every parallel region and two threads run at about a third of one. So the
-run times a few windows at each count, keeps the faster, and measures again every RECHECK_S seconds (the load changes).
-A run whose thread count changes is not bitwise reproducible (a reduction split over more threads rounds differently);
-give cpu_threads a number for bitwise runs.
+run reads how busy other processes keep its cores (Linux's /proc/stat, less this process's own CPU time): while
+they keep a quarter of a core or more busy it runs one thread, without timing the stall. Otherwise it times a few
+windows at each count and keeps the faster. It measures again every RECHECK_S seconds (the load changes). A run whose
+thread count changes is not bitwise reproducible (a reduction split over more threads rounds differently); give
+cpu_threads a number for bitwise runs.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,11 +25,48 @@ from trainer2.callbacks import Callback, LoopState
 
 PROBE = 5  # windows timed at each thread count
 RECHECK_S = 120.0  # seconds between measurements
+SHARED = 0.25  # cores kept busy by other processes from which the machine counts as shared
+SPAN_S = 0.25  # the shortest time a load reading is judged over (/proc/stat counts in 10 ms ticks)
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """Cumulative seconds at one moment: wall clock, CPU time on the cores this process may use (all processes), and
+    this process's own CPU time (all its threads)."""
+
+    wall: float
+    busy: float
+    own: float
+
+
+def read_cpu(stat: Path = Path("/proc/stat")) -> CpuReading | None:
+    """The CPU counters now, or None where the kernel does not expose them (not Linux)."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return None
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    ticks = 0
+    for line in lines:
+        name, *fields = line.split()
+        if not (name.startswith("cpu") and name[3:].isdigit()) or (mine is not None and int(name[3:]) not in mine):
+            continue
+        user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[:7])
+        ticks += user + nice + system + irq + softirq  # steal and idle are nobody's work on these cores
+    return CpuReading(time.perf_counter(), ticks / os.sysconf("SC_CLK_TCK"), time.process_time())
+
+
+def others_busy(before: CpuReading, after: CpuReading) -> float | None:
+    """Cores other processes kept busy between two readings; None when they are under SPAN_S apart."""
+    wall = after.wall - before.wall
+    if wall < SPAN_S:
+        return None
+    return max(0.0, (after.busy - before.busy) - (after.own - before.own)) / wall
 
 
 class ThreadTuner(Callback):
-    """A callback that switches between `cores` threads and one by the windows' measured time. Windows that logged
-    (and maybe evaluated) are not timed, nor the run's first (compiling, warming up)."""
+    """A callback that switches between `cores` threads and one by the load other processes put on the cores and
+    the windows' measured time. Windows that logged (and maybe evaluated) are not timed, nor the run's first."""
 
     def __init__(
         self,
@@ -32,49 +74,75 @@ class ThreadTuner(Callback):
         set_threads: Callable[[int], None],
         log: Callable[[str], None],
         clock: Callable[[], float] = time.perf_counter,
+        cpu: Callable[[], CpuReading | None] = read_cpu,
     ) -> None:
-        self.cores, self.set_threads, self.log, self.clock = cores, set_threads, log, clock
+        self.cores, self.set_threads, self.log, self.clock, self.cpu = cores, set_threads, log, clock, cpu
         self.current = cores
         self.times: dict[int, list[float]] = {}  # seconds per window at each count, in the measurement under way
+        self.measuring = True  # the first measurement starts as the run is built
+        self.since = cpu()  # the CPU counters where the measurement under way started
         self.last = 0.0  # when the last window ended
-        self.next_check = 0.0  # when the next measurement starts (0: after the first window)
+        self.next_check = 0.0  # when the next measurement starts
         self.first = 0
-        self.reported: int | None = None  # the count the last note named
+        self.reported: str | None = None  # the last note
 
     def on_start(self, state: LoopState) -> None:
+        """The load while the run was built decides before any window runs on a shared machine."""
         self.first, self.last = state.window, self.clock()
+        if (busy := self.shared()) is not None:
+            self.settle(1, self.last, busy)
 
     def on_window_end(self, state: LoopState) -> None:
         now = self.clock()
         took, self.last = now - self.last, now
-        if state.logged or state.window == self.first + 1:
+        if not self.measuring:
+            if now >= self.next_check:  # the measurement starts with the next window
+                self.measuring, self.since = True, self.cpu()
             return
-        if not self.times and now < self.next_check:
+        if state.window == self.first + 1:  # warming up: not timed, but the load beside it tells
+            if (busy := self.shared()) is not None:
+                self.settle(1, now, busy)
+            return
+        if state.logged:
             return
         self.times.setdefault(self.current, []).append(took)  # a measurement starts with the count in use
         if len(self.times[self.current]) < PROBE:
+            return
+        if (busy := self.shared()) is not None:
+            self.settle(1, now, busy)
             return
         other = 1 if self.current == self.cores else self.cores
         if other not in self.times:
             self.switch(other)
             return
-        best = min(self.times, key=lambda n: statistics.median(self.times[n]))
-        if best != self.current:
-            self.switch(best)
-        self.report(best)
-        self.times, self.next_check = {}, now + RECHECK_S
+        self.settle(min(self.times, key=lambda n: statistics.median(self.times[n])), now)
+
+    def shared(self) -> float | None:
+        """The cores other processes kept busy since the measurement began, when that is SHARED or more."""
+        now = self.cpu()
+        if now is None or self.since is None:
+            return None
+        busy = others_busy(self.since, now)
+        return busy if busy is not None and busy >= SHARED else None
+
+    def settle(self, threads: int, now: float, busy: float | None = None) -> None:
+        """Run at `threads` until the next measurement, and say why when the choice changes (`busy`: the cores
+        other processes kept busy, when that decided)."""
+        if busy is not None:
+            why = f"other processes keep {busy:.1f} of {self.cores} cores busy"
+        else:
+            ratio = statistics.median(self.times[1]) / statistics.median(self.times[self.cores])
+            why = f"{self.cores} threads run at {ratio:.2f}x the windows/s of one"
+        if threads != self.current:
+            self.switch(threads)
+        if self.reported is None or not self.reported.startswith(f"cpu threads: {threads} "):
+            self.reported = f"cpu threads: {threads} ({why}; measured again every {RECHECK_S:.0f} s)"
+            self.log(self.reported)
+        self.times, self.measuring, self.next_check = {}, False, now + RECHECK_S
 
     def switch(self, threads: int) -> None:
         self.current = threads
         self.set_threads(threads)
-
-    def report(self, chosen: int) -> None:
-        """One line when the choice changes from the last one reported."""
-        ratio = statistics.median(self.times[self.cores]) / statistics.median(self.times[1])
-        if self.reported != chosen:
-            what = f"{self.cores} threads run at {1 / ratio:.2f}x the windows/s of one"
-            self.log(f"cpu threads: {chosen} ({what}; measured again every {RECHECK_S:.0f} s)")
-        self.reported = chosen
 
 
 def thread_tuners(cpu_threads: int, cores: int, device_type: str, log: Callable[[str], None]) -> list[ThreadTuner]:
