@@ -119,6 +119,8 @@ def test_read_cpu_counts_the_cores_this_process_may_use(tmp_path):
     mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 300
     assert reading is not None and reading.busy == pytest.approx(165 * mine / os.sysconf("SC_CLK_TCK"))
     assert read_cpu(tmp_path / "missing") is None
+    stat.write_text("cpu  1 2 3\n\ncpu0 1 2 3\n")  # fields this reader does not know
+    assert read_cpu(stat) is None
 
 
 def test_only_cpu_threads_0_on_a_cpu_with_several_cores_is_tuned():

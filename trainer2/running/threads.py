@@ -48,9 +48,11 @@ def read_cpu(stat: Path = Path("/proc/stat")) -> CpuReading | None:
     mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     ticks = 0
     for line in lines:
-        name, *fields = line.split()
+        name, *fields = line.split() or [""]
         if not (name.startswith("cpu") and name[3:].isdigit()) or (mine is not None and int(name[3:]) not in mine):
             continue
+        if len(fields) < 7 or not all(f.isdigit() for f in fields[:7]):
+            return None  # a layout this reader does not know: the run falls back to timing
         user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[:7])
         ticks += user + nice + system + irq + softirq  # steal and idle are nobody's work on these cores
     return CpuReading(time.perf_counter(), ticks / os.sysconf("SC_CLK_TCK"), time.process_time())
