@@ -86,13 +86,12 @@ class ThreadTuner(Callback):
         self.last = 0.0  # when the last window ended
         self.next_check = 0.0  # when the next measurement starts
         self.first = 0
-        self.reported: str | None = None  # the last note
+        self.reported: int | None = None  # the count the last note named
 
     def on_start(self, state: LoopState) -> None:
         """The load while the run was built decides before any window runs on a shared machine."""
         self.first, self.last = state.window, self.clock()
-        if (busy := self.shared()) is not None:
-            self.settle(1, self.last, busy)
+        self.settle_if_shared(self.last)
 
     def on_window_end(self, state: LoopState) -> None:
         now = self.clock()
@@ -102,16 +101,14 @@ class ThreadTuner(Callback):
                 self.measuring, self.since = True, self.cpu()
             return
         if state.window == self.first + 1:  # warming up: not timed, but the load beside it tells
-            if (busy := self.shared()) is not None:
-                self.settle(1, now, busy)
+            self.settle_if_shared(now)
             return
         if state.logged:
             return
         self.times.setdefault(self.current, []).append(took)  # a measurement starts with the count in use
         if len(self.times[self.current]) < PROBE:
             return
-        if (busy := self.shared()) is not None:
-            self.settle(1, now, busy)
+        if self.settle_if_shared(now):
             return
         other = 1 if self.current == self.cores else self.cores
         if other not in self.times:
@@ -119,13 +116,15 @@ class ThreadTuner(Callback):
             return
         self.settle(min(self.times, key=lambda n: statistics.median(self.times[n])), now)
 
-    def shared(self) -> float | None:
-        """The cores other processes kept busy since the measurement began, when that is SHARED or more."""
-        now = self.cpu()
-        if now is None or self.since is None:
-            return None
-        busy = others_busy(self.since, now)
-        return busy if busy is not None and busy >= SHARED else None
+    def settle_if_shared(self, now: float) -> bool:
+        """One thread until the next measurement when other processes kept SHARED cores or more busy since the
+        measurement began; whether they did."""
+        reading = self.cpu()
+        busy = None if reading is None or self.since is None else others_busy(self.since, reading)
+        if busy is None or busy < SHARED:
+            return False
+        self.settle(1, now, busy)
+        return True
 
     def settle(self, threads: int, now: float, busy: float | None = None) -> None:
         """Run at `threads` until the next measurement, and say why when the choice changes (`busy`: the cores
@@ -137,9 +136,9 @@ class ThreadTuner(Callback):
             why = f"{self.cores} threads run at {ratio:.2f}x the windows/s of one"
         if threads != self.current:
             self.switch(threads)
-        if self.reported is None or not self.reported.startswith(f"cpu threads: {threads} "):
-            self.reported = f"cpu threads: {threads} ({why}; measured again every {RECHECK_S:.0f} s)"
-            self.log(self.reported)
+        if self.reported != threads:
+            self.log(f"cpu threads: {threads} ({why}; measured again every {RECHECK_S:.0f} s)")
+        self.reported = threads
         self.times, self.measuring, self.next_check = {}, False, now + RECHECK_S
 
     def switch(self, threads: int) -> None:
