@@ -201,16 +201,16 @@ def bench_part(plan: Plan, part: str, device: torch.device, log: Callable[[str],
     return rows
 
 
-def graph_equals_eager(cfg, data, device: torch.device, windows: int) -> str:
-    """Run `windows` batch steps of two identical machines, one eagerly and one replayed as a CUDA graph (lr changing
-    between windows as a schedule does); 'bitwise' when every tensor the step touches is equal, else the largest
-    difference."""
+def graph_equals_eager(cfg, data, device: torch.device, windows: int, graphs: bool = True) -> str:
+    """Run `windows` batch steps of two identical machines, one eagerly and one replayed as a CUDA graph (graphs=False:
+    eagerly too, the run-to-run baseline; lr changing between windows as a schedule does); 'bitwise' when every
+    tensor the step touches is equal, else the largest difference."""
     from trainer2.running.bench import host_batches, make_step
     from trainer2.running.step_runner import StepRunner, step_tensors
 
     steps = [make_step(cfg, data, cfg.batch_size, device) for _ in range(2)]
     logs: list[str] = []
-    runners = [StepRunner(steps[0]), StepRunner(steps[1], graphs=True, warmup_steps=2, log=logs.append)]
+    runners = [StepRunner(steps[0]), StepRunner(steps[1], graphs=graphs, warmup_steps=2, log=logs.append)]
     with torch.no_grad():
         for i, (x, y) in enumerate(host_batches(data, cfg.batch_size, windows, cfg.seed)):
             for step, runner in zip(steps, runners):
@@ -219,7 +219,7 @@ def graph_equals_eager(cfg, data, device: torch.device, windows: int) -> str:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     worst = max(difference(a, b) for a, b in zip(*map(step_tensors, steps)))
-    if runners[1].mode != "graph":
+    if runners[1].mode != ("graph" if graphs else "eager"):
         why = "no CUDA device" if device.type != "cuda" else logs[-1] if logs else "not captured"
         return f"n/a (ran {runners[1].mode}: {why}; largest difference {worst:.2g})"
     return "bitwise" if worst == 0.0 else f"differs by up to {worst:.3g}"
@@ -250,6 +250,8 @@ def graph_part(plan: Plan, device: torch.device, log: Callable[[str], None]) -> 
         cfg = config(preset, plan.smoke, window_backend=backend, update_backend=backend, batch_size=8)
         out[name] = graph_equals_eager(cfg, data_for(cfg), device, windows)
         if name == "conv" and out[name].startswith("differs"):
+            # cuDNN may pick nondeterministic algorithms: is eager against eager equal, and graph under determinism?
+            out[name] += f"; eager against eager: {graph_equals_eager(cfg, data_for(cfg), device, windows, False)}"
             torch.backends.cudnn.deterministic = True
             try:
                 out[name] += f"; with cudnn.deterministic: {graph_equals_eager(cfg, data_for(cfg), device, windows)}"
@@ -305,7 +307,8 @@ def conv_epoch(plan: Plan, device: torch.device, log: Callable[[str], None]) -> 
 def cuda_tests(which: str, smoke: bool, timeout: float) -> str:
     """Run the tests that need CUDA (`-m cuda`), or all; smoke: only collect the CUDA tests (none can run here)."""
     select = [] if which == "all" else ["-m", "cuda"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", *select, "tests"] + (["--collect-only"] if smoke else [])
+    # no:logging: a failing compile test's captured DEBUG logs would bury its traceback in the printed tail
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "--tb=short", "-p", "no:logging", *select, "tests"] + (["--collect-only"] if smoke else [])
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -18,15 +18,21 @@ from trainer2.physics.nudge import NudgeScheme
 from trainer2.section import ConfigError
 
 # A program keeps whole layers in registers (tiles padded to powers of two >= 16). Within FITS (the dev and production
-# presets, 256 x 16) they fit, and auto takes triton; within RUNS (the deep preset, 1024 x 32) --window_backend triton
-# runs them with more warps per program, where they may spill (for a GPU session to measure); beyond RUNS the weights
+# presets, 256 x 16) they fit, and auto takes triton; within RUNS --window_backend triton runs them with more warps
+# per program, where they may spill, and where the GPU's shared memory holds their tiles (the deep preset's 1024 x 32
+# does not fit an H100's or H200's: SHARED_SLACK below); beyond RUNS the weights
 # would have to be streamed in chunks, which the kernels do not do.
 MAX_DEPTH = 3
-# The kernels are checked against the torch window in Triton's interpreter only; until their compiled form passes
-# benchmarks/gpu_checks.py on a GPU, auto keeps the torch window and --window_backend triton asks for them explicitly.
-AUTO_TAKES_TRITON = False
-# Likewise for the fused update: auto keeps the torch update until its compiled kernels pass the GPU check.
-AUTO_TAKES_TRITON_UPDATE = False
+# The compiled kernels passed benchmarks/gpu_checks.py on an H200 (24634eb: equal to the torch window and update,
+# graph replay bitwise equal to eager), and triton+graph ran 1.38x (dev, batch 8), 1.72x (batch 64) and 1.71x
+# (production) the windows/s of graph (docs/performance.md): auto takes them on a CUDA device where the shapes fit.
+AUTO_TAKES_TRITON = True
+AUTO_TAKES_TRITON_UPDATE = True
+# Triton stages each tl.dot's operands through shared memory, and the kernels' dots take whole layers: the largest
+# pair (BLOCK_ROWS rows of state and a coupling tile, padded) has to fit the GPU's shared memory per block. The slack
+# covers the kernel's other buffers: on an H200 the deep preset's 1024 x 32 float32 pair (192 KiB) asked for 234 KiB,
+# 1.22x, past the 227 KiB an H100 or H200 has.
+SHARED_SLACK = 1.25
 FITS = {"hidden units": 256, "coordinates": 64, "candidates": 256}
 RUNS = {"hidden units": 1024, "coordinates": 64, "candidates": 1024}
 
@@ -83,7 +89,7 @@ def triton_blocker(
     wide = too_large(sizes, candidates, RUNS)
     if wide is not None:
         return wide
-    return runtime_blocker(device)
+    return runtime_blocker(device) or shared_memory_blocker(device, dtype, sizes, candidates)
 
 
 def runtime_blocker(device: torch.device) -> str | None:
@@ -102,6 +108,46 @@ def runtime_blocker(device: torch.device) -> str | None:
     except Exception as e:  # a broken install: name it instead of failing inside the first window
         return f"triton does not import ({type(e).__name__}: {e})"
     return None
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """The shared memory a block may use on a CUDA `device`, bytes (None where it cannot be read: no CUDA here)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
+    if limit is None:
+        from triton.runtime import driver
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        limit = driver.active.utils.get_device_properties(index).get("max_shared_mem")
+    return int(limit) if limit else None
+
+
+def shared_memory_need(sizes: list[int], candidates: int, itemsize: int) -> tuple[int, tuple[int, int]]:
+    """The estimated shared memory (bytes) of the kernels' largest dot, and its pair of widths: BLOCK_ROWS rows of the
+    wider layer and the coupling tile between two neighbours of [H_1, ..., H_M, n, candidates], padded, x SHARED_SLACK."""
+    from trainer2.physics.kernels.chain import BLOCK_ROWS, padded
+
+    widths = [*sizes, candidates]
+    pairs = [(padded(a), padded(b)) for a, b in zip(widths[:-1], widths[1:])]
+    need = {pair: int(SHARED_SLACK * (BLOCK_ROWS * max(pair) + pair[0] * pair[1]) * itemsize) for pair in pairs}
+    worst = max(need, key=need.__getitem__)
+    return need[worst], worst
+
+
+def shared_memory_blocker(device: torch.device, dtype: torch.dtype, sizes: list[int], candidates: int) -> str | None:
+    """Why the kernels' tiles do not fit the GPU's shared memory (the compiled kernel would refuse to launch), or None;
+    None also where the limit cannot be read (the CPU, the interpreter)."""
+    limit = shared_memory_limit(device)
+    if limit is None:
+        return None
+    need, (a, b) = shared_memory_need(sizes, candidates, torch.empty((), dtype=dtype).element_size())
+    if need <= limit:
+        return None
+    return (
+        f"the kernels hold whole layers on chip, and this machine's {a} x {b} {str(dtype).removeprefix('torch.')} "
+        f"coupling needs about {need // 1024} KiB of shared memory per program, this GPU has {limit // 1024} KiB"
+    )
 
 
 def too_large(sizes: list[int], candidates: int, limits: dict[str, int]) -> str | None:
@@ -136,9 +182,7 @@ def choose_backend(
         if tight is None and AUTO_TAKES_TRITON:
             return Backend("triton", "auto: a CUDA device, triton imports and the shapes fit the kernels")
         if tight is None:
-            return Backend(
-                "torch", "auto: the compiled kernels are not yet checked on a GPU; --window_backend triton runs them"
-            )
+            return Backend("torch", "auto: AUTO_TAKES_TRITON is off; --window_backend triton runs the kernels")
         blocker = f"{tight}; --window_backend triton runs it anyway, its registers may spill"
     return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
 
@@ -160,9 +204,7 @@ def choose_update_backend(requested: str, device: torch.device, dtype: torch.dty
     if blocker is None and device.type == "cuda":
         if AUTO_TAKES_TRITON_UPDATE:
             return Backend("triton", "auto: a CUDA device and triton imports")
-        return Backend(
-            "torch", "auto: the compiled update kernel is not yet checked on a GPU; --update_backend triton runs it"
-        )
+        return Backend("torch", "auto: AUTO_TAKES_TRITON_UPDATE is off; --update_backend triton runs the kernel")
     return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
 
 
