@@ -100,6 +100,7 @@ def test_the_cli_prints_one_line_not_a_traceback(tmp_path, small_text, capsys):
 )
 def test_auto_takes_triton_on_cuda_only_where_the_layers_fit_in_registers(monkeypatch):
     """No CUDA tensor is made: the choice only reads the device type, the shapes and whether triton imports."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda = backend.torch.device("cuda")
     default = backend.choose_backend("auto", cuda, backend.torch.float32, FIXED, [256, 16], 16, ["dense", "dense"])
     assert default.name == "triton" and "the shapes fit" in default.reason  # measured faster on a GPU
@@ -144,6 +145,7 @@ def test_the_update_backend_names_a_missing_triton(monkeypatch):
     importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install -e '.[kernels]')"
 )
 def test_auto_takes_the_fused_update_on_cuda_unless_switched_off(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda = backend.torch.device("cuda")
     assert backend.choose_update_backend("auto", cuda, backend.torch.float32).name == "triton"
     monkeypatch.setattr(backend, "AUTO_TAKES_TRITON_UPDATE", False)
@@ -181,3 +183,18 @@ def test_tiles_past_the_gpus_shared_memory_are_refused_naming_the_sizes(monkeypa
         backend.choose_backend("triton", cuda, backend.torch.float64, FIXED, [512, 32], 100, ["dense", "dense"])
     monkeypatch.setattr(backend, "shared_memory_limit", lambda device: None)  # the CPU: nothing to check against
     assert backend.choose_backend("triton", cuda, f32, FIXED, [1024, 32], 100, ["dense", "dense"]).name == "triton"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install -e '.[kernels]')"
+)
+def test_the_interpreter_is_never_taken_for_a_gpus_tensors(monkeypatch):
+    """TRITON_INTERPRET=1 (the CPU suite's setting) on a CUDA device would interpret the kernels on host copies: auto
+    keeps torch, and asking for triton names the variable."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cuda = backend.torch.device("cuda")
+    auto = backend.choose_backend("auto", cuda, backend.torch.float32, FIXED, [256, 16], 16, ["dense", "dense"])
+    assert auto.name == "torch" and "TRITON_INTERPRET=1 is set" in auto.reason
+    assert backend.choose_update_backend("auto", cuda, backend.torch.float32).name == "torch"
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1 is set"):
+        backend.choose_update_backend("triton", cuda, backend.torch.float32)

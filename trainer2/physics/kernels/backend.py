@@ -107,6 +107,11 @@ def runtime_blocker(device: torch.device) -> str | None:
         importlib.import_module("triton")
     except Exception as e:  # a broken install: name it instead of failing inside the first window
         return f"triton does not import ({type(e).__name__}: {e})"
+    if device.type == "cuda" and interpreting():
+        return (
+            "TRITON_INTERPRET=1 is set, so Triton would run the kernels in its interpreter on host copies of the "
+            "GPU's tensors (unset it to compile them)"
+        )
     return None
 
 
