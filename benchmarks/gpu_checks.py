@@ -308,7 +308,8 @@ def cuda_tests(which: str, smoke: bool, timeout: float) -> str:
     """Run the tests that need CUDA (`-m cuda`), or all; smoke: only collect the CUDA tests (none can run here)."""
     select = [] if which == "all" else ["-m", "cuda"]
     # no:logging: a failing compile test's captured DEBUG logs would bury its traceback in the printed tail
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "--tb=short", "-p", "no:logging", *select, "tests"] + (["--collect-only"] if smoke else [])
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "--tb=short", "-p", "no:logging", *select, "tests"]
+    cmd += ["--collect-only"] if smoke else []
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

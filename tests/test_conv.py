@@ -10,7 +10,9 @@ from tiny import tiny_config
 
 from benchmarks.autograd_reference import cosine, exact_grads_energy
 from trainer2.learning.gradients import ep_gradients
+from trainer2.learning.step import build_step
 from trainer2.physics.couplings import Conv
+from trainer2.physics.energy import Energy
 from trainer2.physics.machine import build_machine
 from trainer2.physics.relaxation import Relaxation
 from trainer2.train_config import ConfigError, TrainConfig
@@ -174,3 +176,39 @@ def test_symmetric_ep_matches_autograd_for_a_conv_machine(layers):
     for name, g in est.items():
         assert ref[name].norm() > 0, name
         assert cosine(g, ref[name]) > 0.999, (name, cosine(g, ref[name]))
+
+
+@pytest.mark.parametrize("below,spec", CASES, ids=IDS)
+def test_a_windows_derived_kernel_is_the_per_pull_kernel_and_a_rebind_drops_it(below, spec):
+    c = make(below, spec)
+    w = c.with_kernel()
+    lo, hi = rand(4, math.prod(c.below_shape), 2), rand(4, math.prod(c.above_shape), 3)
+    assert torch.equal(w.up(lo, torch.empty_like(hi)), c.up(lo, torch.empty_like(hi)))
+    assert torch.equal(w.add_down(hi, lo, lo.clone()), c.add_down(hi, lo, lo.clone()))
+    assert (w.kernel is not None) == (c.pool > 1 and c.pooling == "avg")  # else L's kernel is K itself: w is c
+    assert w.rebind({"W_1": c.weight.mul(2), "b_1": c.bias_}).kernel is None  # a new K never meets an old K'
+
+
+def test_the_window_derives_the_pooled_kernel_once_and_a_conv_run_is_unchanged(monkeypatch):
+    """Bitwise the same steps with the kernel derived at every pull, across updates (the kernel is the window's)."""
+    layers = [{"conv": {"channels": 3, "kernel": 3, "pool": 2}}, {"conv": {"channels": 2, "kernel": 3, "pool": 2}}]
+    runs = []
+    for per_pull in (False, True):
+        if per_pull:
+            monkeypatch.setattr(Energy, "for_window", lambda self: self)
+        cfg, m, x, y = conv_machine(layers, image=(2, 12, 12), free_steps=4, nudge_steps=2)
+        step = build_step(m, cfg, cfg, cfg.batch_size)
+        calls = []
+        real = Conv.pooled_kernel
+        monkeypatch.setattr(Conv, "pooled_kernel", lambda self: calls.append(1) or real(self))
+        with torch.no_grad():
+            for _ in range(3):
+                step.step(x, y)
+        monkeypatch.setattr(Conv, "pooled_kernel", real)
+        runs.append(([t.clone() for t in m.named_params().values()], len(calls)))
+    (cached, n_cached), (per_pull, n_per_pull) = runs
+    assert all(torch.equal(a, b) for a, b in zip(cached, per_pull))
+    assert not torch.equal(
+        cached[0], conv_machine(layers, image=(2, 12, 12))[1].energy.couplings[0].weight
+    )  # it learned
+    assert n_cached <= n_per_pull / 2  # once per coupling and window, not at every pull (the cap's own remain)

@@ -57,6 +57,13 @@ class Energy:
     def rebind(self, named: dict[str, Tensor]) -> "Energy":
         return replace(self, couplings=tuple(c.rebind(named) for c in self.couplings))
 
+    def for_window(self) -> "Energy":
+        """The energy as one window sees it (its parameters fixed until the update): a conv coupling's pooled kernel
+        derived once, not at every pull; the same arithmetic. Call it again after the parameters change."""
+        if not any(isinstance(c, Conv) for c in self.couplings):
+            return self
+        return replace(self, couplings=tuple(c.with_kernel() if isinstance(c, Conv) else c for c in self.couplings))
+
     def kinds(self) -> list[str]:
         """Each coupling's kind: a built-in's short name for the built-in class itself, else its class's dotted path
         (a subclass of Dense may change what its pulls compute, so it is not "dense" to the Triton kernels)."""

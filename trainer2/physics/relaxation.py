@@ -31,7 +31,7 @@ from trainer2.physics.dynamics import (
     set_nudge_scale,
     staged_layers,
 )
-from trainer2.physics.energy import input_drive
+from trainer2.physics.energy import Energy, input_drive
 from trainer2.physics.kernels.backend import choose_backend, make_phase_function, nudge_blocker
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
@@ -107,14 +107,15 @@ class WindowStats:
 @dataclass
 class FreeState:
     """What the free phase fixes for the rest of the batch: the clamped input x (B, D), the readout frame
-    (and its folded matrices), the retrieval candidates and the cost's view of them. The equilibrium itself is in
-    `Relaxation.s0`."""
+    (and its folded matrices), the retrieval candidates, the cost's view of them and the energy with what it derives
+    from the parameters for the window. The equilibrium itself is in `Relaxation.s0`."""
 
     x: Tensor
     frame: ReadoutFrame
     fold: FoldedFrame
     cand: Candidates
     cost: CostFrame
+    energy: Energy  # the machine's energy for this window (Energy.for_window)
 
 
 class Relaxation:
@@ -189,9 +190,10 @@ class Relaxation:
         ws.target_mask.copy_(ws.label_hit)
         if self.targets:
             self.cost.target(cost, ws.target_mask, ws.target)
-        input_drive(x, m.energy, ws.drive)
+        energy = m.energy.for_window()
+        input_drive(x, energy, ws.drive)
         ws.state.zero_()
-        free = FreeState(x, frame, fold, cand, cost)
+        free = FreeState(x, frame, fold, cand, cost, energy)
         self.relax(ws, free, cfg.free_steps, False, "free")
         self.s0.copy_(ws.state)
         return free
@@ -228,7 +230,7 @@ class Relaxation:
         aw, ws = self.adjoint, self.ws
         self.cost.force(self.s0.s[-1], free.cost, ws.target_mask, ws.target, ws.readout, aw.g)
         set_masks(aw, self.s0.s)
-        adjoint_steps(self.m.energy, self.s0.s, aw, self.cfg.nudge_steps, self.integ.even_odd)
+        adjoint_steps(free.energy, self.s0.s, aw, self.cfg.nudge_steps, self.integ.even_odd)
         return aw.mu
 
     def nudged_lior(self) -> Tensor:
@@ -260,7 +262,7 @@ class Relaxation:
         clamp = nudged and self.nudge.clamp
         self.steps_fn(
             PhaseRun(
-                ws, self.m.energy, free.frame, free.fold, self.integ, start, steps, nudged, self.one_hot, force, clamp
+                ws, free.energy, free.frame, free.fold, self.integ, start, steps, nudged, self.one_hot, force, clamp
             )
         )
 

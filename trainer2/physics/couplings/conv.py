@@ -49,6 +49,7 @@ class Conv:
     pooling: str  # "avg" or "max"
     below_shape: tuple[int, ...]
     above_shape: tuple[int, ...]
+    kernel: Tensor | None = None  # L's kernel derived once for a window (`with_kernel`); None: derived at every pull
 
     @staticmethod
     def spec_size(spec: object, below: tuple[int, ...] | None = None) -> tuple[int, ...]:
@@ -105,7 +106,14 @@ class Conv:
         return frozenset({f"W_{self.name}"})
 
     def rebind(self, named: dict[str, Tensor]) -> "Conv":
-        return replace(self, weight=named[f"W_{self.name}"], bias_=named[f"b_{self.name}"])
+        return replace(self, weight=named[f"W_{self.name}"], bias_=named[f"b_{self.name}"], kernel=None)
+
+    def with_kernel(self) -> "Conv":
+        """This coupling with L's kernel derived now, for a window over which K does not change: K' costs a pad and
+        an average pool (about 75 us on a CPU), which every pull otherwise repeats, some 25 times a window."""
+        if self.kernel is not None or self.maxpool or self.pool == 1:
+            return self  # derived already, or L's kernel is K itself
+        return replace(self, kernel=self.pooled_kernel())
 
     # --- the linear part L, the pooling, and their adjoints ---
 
@@ -142,7 +150,9 @@ class Conv:
         return F.avg_pool2d(F.pad(self.weight, (p - 1,) * 4), p, stride=1)
 
     def linear_kernel(self) -> Tensor:
-        """L's kernel: K under max pooling, else K' (K itself without pooling)."""
+        """L's kernel: K under max pooling, else K' (K itself without pooling); the window's, once derived."""
+        if self.kernel is not None:
+            return self.kernel
         return self.weight if self.maxpool else self.pooled_kernel()
 
     def convolve(self, below: Tensor, bias: Tensor | None) -> Tensor:

@@ -129,8 +129,9 @@ def shared_memory_limit(device: torch.device) -> int | None:
 
 
 def shared_memory_need(sizes: list[int], candidates: int, itemsize: int) -> tuple[int, tuple[int, int]]:
-    """The estimated shared memory (bytes) of the kernels' largest dot, and its pair of widths: BLOCK_ROWS rows of the
-    wider layer and the coupling tile between two neighbours of [H_1, ..., H_M, n, candidates], padded, x SHARED_SLACK."""
+    """The estimated shared memory (bytes) of the kernels' largest dot, and its pair of widths: BLOCK_ROWS rows of
+    the wider layer and the coupling tile between two neighbours of [H_1, ..., H_M, n, candidates], padded, x
+    SHARED_SLACK."""
     from trainer2.physics.kernels.chain import BLOCK_ROWS, padded
 
     widths = [*sizes, candidates]
