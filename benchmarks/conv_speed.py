@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer2.physics.couplings import Conv
+from trainer2.physics.couplings.conv import pooled_kernel
 
 # (below shape, spec) of the conv preset's two couplings on 28x28 digits
 LAYERS = [
@@ -45,7 +46,7 @@ def main() -> None:
         def nchw() -> None:
             a = above.view(args.rows, *c.above_shape)
             y = F.conv_transpose2d(
-                a, c.pooled_kernel(), stride=c.pool, padding=c.padding, output_padding=c.output_padding
+                a, pooled_kernel(c.weight, c.pool), stride=c.pool, padding=c.padding, output_padding=c.output_padding
             )
             out.copy_(y.view(out.shape))
 

@@ -12,6 +12,7 @@ from benchmarks.autograd_reference import cosine, exact_grads_energy
 from trainer2.learning.gradients import ep_gradients
 from trainer2.learning.step import build_step
 from trainer2.physics.couplings import Conv
+from trainer2.physics.couplings import conv as conv_module
 from trainer2.physics.energy import Energy
 from trainer2.physics.machine import build_machine
 from trainer2.physics.relaxation import Relaxation
@@ -185,7 +186,7 @@ def test_a_windows_derived_kernel_is_the_per_pull_kernel_and_a_rebind_drops_it(b
     lo, hi = rand(4, math.prod(c.below_shape), 2), rand(4, math.prod(c.above_shape), 3)
     assert torch.equal(w.up(lo, torch.empty_like(hi)), c.up(lo, torch.empty_like(hi)))
     assert torch.equal(w.add_down(hi, lo, lo.clone()), c.add_down(hi, lo, lo.clone()))
-    assert (w.kernel is not None) == (c.pool > 1 and c.pooling == "avg")  # else L's kernel is K itself: w is c
+    assert w.kernel is not None and torch.equal(w.kernel, c.linear_kernel())
     assert w.rebind({"W_1": c.weight.mul(2), "b_1": c.bias_}).kernel is None  # a new K never meets an old K'
 
 
@@ -199,12 +200,12 @@ def test_the_window_derives_the_pooled_kernel_once_and_a_conv_run_is_unchanged(m
         cfg, m, x, y = conv_machine(layers, image=(2, 12, 12), free_steps=4, nudge_steps=2)
         step = build_step(m, cfg, cfg, cfg.batch_size)
         calls = []
-        real = Conv.pooled_kernel
-        monkeypatch.setattr(Conv, "pooled_kernel", lambda self: calls.append(1) or real(self))
+        real = conv_module.pooled_kernel
+        monkeypatch.setattr(conv_module, "pooled_kernel", lambda w, p: calls.append(1) or real(w, p))
         with torch.no_grad():
             for _ in range(3):
                 step.step(x, y)
-        monkeypatch.setattr(Conv, "pooled_kernel", real)
+        monkeypatch.setattr(conv_module, "pooled_kernel", real)
         runs.append(([t.clone() for t in m.named_params().values()], len(calls)))
     (cached, n_cached), (per_pull, n_per_pull) = runs
     assert all(torch.equal(a, b) for a, b in zip(cached, per_pull))

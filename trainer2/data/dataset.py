@@ -91,12 +91,15 @@ class Dataset:
         data, y = self._split(split)
         n = self.num_examples(split)
         # Negative indices would silently wrap around, so reject them rather than return wrong examples.
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-            raise IndexError(f"example indices must be in [0, {n}) for split {split!r}")
+        if idx.numel():
+            lo, hi = torch.aminmax(idx)
+            if int(lo) < 0 or int(hi) >= n:
+                raise IndexError(f"example indices must be in [0, {n}) for split {split!r}")
         if y is not None:
             return data[idx], y[idx]
+        # Row i of the unfolded view is the window starting at token i (no copy); one gather takes the batch's rows.
         # Tokens are stored in the smallest integer type; int64 only for the batch, where indexing needs it.
-        windows = data[idx[:, None] + torch.arange(self.context_len + 1)].to(torch.int64)
+        windows = data.unfold(0, self.context_len + 1, 1)[idx].to(torch.int64)
         return windows[:, :-1], windows[:, -1]
 
     def encode(self, text: str) -> torch.Tensor:

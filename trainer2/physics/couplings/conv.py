@@ -109,11 +109,8 @@ class Conv:
         return replace(self, weight=named[f"W_{self.name}"], bias_=named[f"b_{self.name}"], kernel=None)
 
     def with_kernel(self) -> "Conv":
-        """This coupling with L's kernel derived now, for a window over which K does not change: K' costs a pad and
-        an average pool (about 75 us on a CPU), which every pull otherwise repeats, some 25 times a window."""
-        if self.kernel is not None or self.maxpool or self.pool == 1:
-            return self  # derived already, or L's kernel is K itself
-        return replace(self, kernel=self.pooled_kernel())
+        """This coupling with L's kernel derived once, for the pulls of a window (K' costs a pad and a pool, ~75 us)."""
+        return replace(self, kernel=self.linear_kernel())
 
     # --- the linear part L, the pooling, and their adjoints ---
 
@@ -142,18 +139,11 @@ class Conv:
         (_, h, w), (_, lh, lw) = self.below_shape, self.linear_shape
         return (h - lh * self.stride, w - lw * self.stride)
 
-    def pooled_kernel(self) -> Tensor:
-        """K' (C_out, C_in, k+p-1, k+p-1) = K convolved with the p x p box / p^2: conv then avgpool as one conv."""
-        p = self.pool
-        if p == 1:
-            return self.weight
-        return F.avg_pool2d(F.pad(self.weight, (p - 1,) * 4), p, stride=1)
-
     def linear_kernel(self) -> Tensor:
-        """L's kernel: K under max pooling, else K' (K itself without pooling); the window's, once derived."""
+        """L's kernel: the window's once derived (with_kernel), else K under max pooling, else K' = pooled_kernel(K)."""
         if self.kernel is not None:
             return self.kernel
-        return self.weight if self.maxpool else self.pooled_kernel()
+        return self.weight if self.maxpool else pooled_kernel(self.weight, self.pool)
 
     def convolve(self, below: Tensor, bias: Tensor | None) -> Tensor:
         """L below (+ b) as (R, *linear_shape) from below (R, C_in H W)."""
@@ -294,9 +284,15 @@ class Conv:
             self.weight.mul_(cap / norm)
 
     def cap_power(self, cap: Tensor | float, u: Tensor) -> None:
+        steady = self.with_kernel()  # both steps see the same K: derive K' once
         for _ in range(2):
-            sigma = self.power_step(u)
+            sigma = steady.power_step(u)
         self.weight.mul_(torch.div(cap, sigma).clamp_(max=1.0))
+
+
+def pooled_kernel(weight: Tensor, pool: int) -> Tensor:
+    """K' (C_out, C_in, k+p-1, k+p-1) = K convolved with the p x p box / p^2: conv then avgpool as one conv."""
+    return weight if pool == 1 else F.avg_pool2d(F.pad(weight, (pool - 1,) * 4), pool, stride=1)
 
 
 def image_below(below: tuple[int, ...], pool: int) -> tuple[int, ...]:
