@@ -49,7 +49,8 @@ class UpdateConfig(Section):
     update_backend: Literal["auto", "torch", "triton"] = Field(
         "auto",
         description="Parameter update: 'torch' operators, or 'triton' (the fused update: two kernel launches over the "
-        "flat buffer; needs the kernels extra and a CUDA device); 'auto' keeps torch until the kernel is GPU-checked.",
+        "flat buffer; needs the kernels extra and a CUDA device); 'auto' takes triton on CUDA where it can run, "
+        "torch otherwise.",
     )
 
     @property
