@@ -174,6 +174,23 @@ def test_compiled_step_equals_eager(relaxation):
     assert_same_state(eager, compiled, rtol=1e-5, atol=1e-6)
 
 
+def test_a_compiled_step_keeps_the_counts_it_adds_to():
+    """Adam's update count and the memory bank's write pointer advance under torch.compile as they do eagerly: AOT
+    (torch 2.13) drops the in-place update of a 0-dim CPU tensor, so both are (1,) tensors; before, a compiled run's
+    count stayed 0 (Adam's bias correction frozen at its first step) and its bank wrote the same slots
+    forever."""
+    eager, compiled = (fresh_step(update_rule="adam", **SHORT) for _ in range(2))
+    data = batches(eager.relax.cfg, 3)
+    runner = StepRunner(compiled, compile=True, compile_backend="aot_eager")
+    run(eager.step, eager, data)
+    run(runner.step, compiled, data)
+    assert runner.mode == "compile"
+    for step in (eager, compiled):
+        assert float(step.updater.state.count) == 3.0
+        assert int(step.memory.ptr) == (3 * step.relax.cfg.batch_size) % step.relax.cfg.memory_capacity
+    assert_same_state(eager, compiled, rtol=1e-7, atol=1e-10)  # float64; the frozen count was off by 1e-3
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(
     not CUDA and not os.environ.get("TRAINER2_SLOW_TESTS"),

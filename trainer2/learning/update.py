@@ -90,23 +90,26 @@ class UpdateState:
 
     bufs: Tensor  # (P,)
     sq: Tensor  # (P,) Adam's second moments; (0,) for heavy-ball
-    count: Tensor  # 0-dim, applied updates (Adam's bias correction)
-    lr: Tensor
-    dropped: Tensor
+    # The counts the step adds to are (1,), not 0-dim: torch.compile (AOT, torch 2.13) drops an in-place update of a
+    # 0-dim CPU tensor, so a compiled run's count stayed 0 (Adam's bias correction frozen at its first step).
+    # Checkpoints keep them 0-dim (tensors() gives 0-dim views), as before.
+    count: Tensor  # (1,), applied updates (Adam's bias correction)
+    lr: Tensor  # 0-dim; only read inside the step
+    dropped: Tensor  # (1,)
     power_vecs: list[Tensor]
 
     @staticmethod
     def allocate(flat: Tensor, power_sizes: list[int], cfg: UpdateConfig) -> "UpdateState":
-        def scalar(v: float) -> Tensor:
-            return torch.tensor(v, dtype=flat.dtype, device=flat.device)
+        def scalar(v: float, shape: tuple[int, ...] = ()) -> Tensor:
+            return torch.full(shape, v, dtype=flat.dtype, device=flat.device)
 
         ones = [torch.ones(h, dtype=flat.dtype, device=flat.device) for h in power_sizes]
         return UpdateState(
             bufs=torch.zeros_like(flat),
             sq=torch.zeros_like(flat) if cfg.update_rule == "adam" else flat.new_zeros(0),
-            count=scalar(0.0),
+            count=scalar(0.0, (1,)),
             lr=scalar(cfg.eta_update),
-            dropped=scalar(0.0),
+            dropped=scalar(0.0, (1,)),
             power_vecs=[torch.nn.functional.normalize(u, dim=0) for u in ones],
         )
 
@@ -116,7 +119,7 @@ class UpdateState:
         if self.sq.numel():
             out.update({f"second_moment.{n}": v for n, v in table.views(self.sq).items()})
         out.update({f"power.{i}": v for i, v in enumerate(self.power_vecs)})
-        out.update({"update.lr": self.lr, "update.dropped": self.dropped, "update.count": self.count})
+        out.update({"update.lr": self.lr, "update.dropped": self.dropped.view(()), "update.count": self.count.view(())})
         return out
 
 

@@ -13,8 +13,9 @@ from trainer2.physics.readout import Candidates
 
 @dataclass
 class MemoryBank:
-    """coords (C, n) and labels (C,) of recent equilibria; filled (C,) marks written slots; ptr (0-dim) is
-    the next slot. The pointer lives on the device so a write can be captured in a CUDA graph."""
+    """coords (C, n) and labels (C,) of recent equilibria; filled (C,) marks written slots; ptr (1,) is
+    the next slot. The pointer lives on the device so a write can be captured in a CUDA graph, and is (1,), not 0-dim:
+    torch.compile (AOT, torch 2.13) drops an in-place update of a 0-dim CPU tensor. A checkpoint holds it 0-dim."""
 
     coords: Tensor
     labels: Tensor
@@ -31,7 +32,7 @@ class MemoryBank:
             torch.zeros(capacity, n, dtype=like.dtype, device=dev),
             torch.zeros(capacity, dtype=torch.long, device=dev),
             torch.zeros(capacity, dtype=torch.bool, device=dev),
-            torch.zeros((), dtype=torch.long, device=dev),
+            torch.zeros(1, dtype=torch.long, device=dev),
             torch.arange(batch, device=dev),
         )
 
@@ -61,5 +62,5 @@ class MemoryBank:
             "memory.coords": self.coords,
             "memory.labels": self.labels,
             "memory.filled": self.filled,
-            "memory.ptr": self.ptr,
+            "memory.ptr": self.ptr.view(()),
         }
