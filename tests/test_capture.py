@@ -6,6 +6,7 @@ CUDA tests are skipped without a GPU; `python -m benchmarks.gpu_checks` runs the
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -41,7 +42,9 @@ def rerun_without_the_interpreter(test: str) -> bool:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging", f"{__file__}::{test}"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, cwd=root)
-    assert proc.returncode == 0 and " 1 passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and re.search(r"^1 passed", proc.stdout, re.M), (
+        proc.stdout[-6000:] + proc.stderr[-3000:]
+    )
     return True
 
 
