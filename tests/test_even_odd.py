@@ -10,6 +10,7 @@ from tiny import tiny_batch, tiny_config, tiny_machine
 
 from benchmarks.autograd_reference import cosine, exact_grads, relax
 from trainer2.learning.gradients import ep_gradients
+from trainer2.physics.couplings import Conv, Dense
 from trainer2.physics.dynamics import Integrator, even_odd_steps, fixed_point_steps
 from trainer2.physics.relaxation import Relaxation
 from trainer2.running.bench import profile_call
@@ -165,6 +166,42 @@ def test_the_autograd_reference_unrolls_the_trainers_even_odd_window():
     for order, same in (("even_odd", True), ("jacobi", False)):
         s = relax(xin, m.energy.weights, m.energy.biases, 4, 1.0, 1.0, 1.0, order)
         assert (distance(s, r.s0.s) < 1e-13) == same, order
+
+
+@pytest.mark.parametrize("order", ["jacobi", "even_odd"])
+@pytest.mark.parametrize("name", [*MACHINES, "max3"])
+def test_a_free_phase_from_rest_skips_the_pulls_of_layers_at_rest_and_changes_nothing(name, order, monkeypatch):
+    """The free phase starts from rest, so in its first step the layers above (Jacobi: every neighbour; even/odd: the
+    other half) are 0 and their pulls vanish: skipped, one for each hidden layer that step moves (a transposed
+    convolution for a conv layer, the costliest operator of its step), and the state is the one every pull gives."""
+    cfg, m, x, y = machine(name, order, free_steps=3)
+    r = Relaxation(m, cfg, cfg.batch_size)
+    pulls = []  # "kind.method" of each pull from above formed
+    for cls in (Conv, Dense):
+        for method in ("down", "add_down"):
+            real = getattr(cls, method)
+            spy = lambda self, *a, _real=real, _n=f"{cls.kind}.{method}": pulls.append(_n) or _real(self, *a)  # noqa: E731
+            monkeypatch.setattr(cls, method, spy)
+    with torch.no_grad():
+        free = r.free_phase(x, y)
+        skipped, from_rest = [t.clone() for t in r.s0.s], list(pulls)
+        r.ws.state.zero_()
+        pulls.clear()
+        r.run(r.ws, free, 0, 3, False)  # the same steps from the same rest, every pull formed
+        full = [t.clone() for t in r.ws.state.s]
+    for a, b in zip(skipped, full, strict=True):
+        assert torch.equal(a, b)
+    assert all(bool(t.abs().sum() > 0) for t in full)
+    depth = len(full) - 1
+    first = range(depth) if order == "jacobi" else range(0, depth, 2)  # the hidden layers the first (half) step moves
+    assert len(pulls) - len(from_rest) == len(first), (pulls, from_rest)
+    c = m.energy.couplings  # c[j + 1] pulls on layer j; c[depth], the output's, is dense
+    convs = sum(1 for j in first if isinstance(c[j + 1], Conv))
+
+    def conv_pulls(names: list[str]) -> int:
+        return sum(n.startswith("conv.") for n in names)
+
+    assert conv_pulls(pulls) - conv_pulls(from_rest) == convs
 
 
 def ops_per_step(name: str, order: str, nudged: bool) -> float:

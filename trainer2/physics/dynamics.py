@@ -291,6 +291,7 @@ class PhaseRun:
     one_hot: bool
     force: Force | None = None
     clamp: bool = False
+    at_rest: bool = False  # every layer of ws.state is 0 at step `start` (a free phase's first run)
     q_step: Callable[["PhaseRun", Tensor, Tensor, Tensor], None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -322,17 +323,26 @@ def fixed_point_steps(run: PhaseRun) -> None:
     for t in range(start, start + steps):
         q = ws.q_rows[t]
         run.q_step(run, top, q, ws.q_rows[t + 1])
+        rest = run.at_rest and t == start  # every neighbour is 0: the pulls from above vanish (one transposed conv)
         # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q; the
         # output coupling c[last] is dense, so its pull does not read the layer it writes).
         for i, out in enumerate(ws.temp):
-            if i == 0:
+            if i == 0 and rest:
+                out.copy_(ws.drive)
+            elif i == 0:
                 c[1].down(s[1], s[0], ws.drive, out)
             else:
-                c[i + 1].add_down(s[i + 1], s[i], c[i].up(s[i - 1], out))
-        if last == 1:
+                c[i].up(s[i - 1], out)
+                if not rest:
+                    c[i + 1].add_down(s[i + 1], s[i], out)
+        if last == 1 and rest:
+            top.copy_(ws.drive)
+        elif last == 1:
             c[last].down(q, top, ws.drive, top)
         else:
-            c[last].add_down(q, top, c[last - 1].up(s[last - 2], top))
+            c[last - 1].up(s[last - 2], top)
+            if not rest:
+                c[last].add_down(q, top, top)
         top.clamp_(0.0, 1.0)
         if ws.temp:
             torch._foreach_clamp_min_(ws.temp, 0.0)
@@ -407,7 +417,10 @@ def even_odd_steps(run: PhaseRun) -> None:
     ws.q_rows[start].copy_(s[last])
     for t in range(start, start + steps):
         q_now, q_new = ws.q_rows[t], ws.q_rows[t + 1]
-        for half in order:
+        for k, half in enumerate(order):
+            # From rest, the first half's neighbours (the other half) are still 0: the pulls from above vanish (for a
+            # conv chain, the transposed convolution of the first layer, the costliest operator of a step).
+            rest = run.at_rest and t == start and k == 0
             boxed = []  # the layers of this half written in place, clamped together
             for j in half:
                 if j == last:
@@ -416,10 +429,14 @@ def even_odd_steps(run: PhaseRun) -> None:
                     continue
                 above = s[j + 1] if j + 1 < last else q_now
                 out = staged.get(j, s[j])
-                if j == 0:
+                if j == 0 and rest:
+                    out.copy_(ws.drive)
+                elif j == 0:
                     c[1].down(above, s[0], ws.drive, out)
                 else:
-                    c[j + 1].add_down(above, s[j], c[j].up(s[j - 1], out))
+                    c[j].up(s[j - 1], out)
+                    if not rest:
+                        c[j + 1].add_down(above, s[j], out)
                 if out is s[j]:
                     boxed.append(out)
                 else:

@@ -194,7 +194,7 @@ class Relaxation:
         input_drive(x, energy, ws.drive)
         ws.state.zero_()
         free = FreeState(x, frame, fold, cand, cost, energy)
-        self.relax(ws, free, cfg.free_steps, False, "free")
+        self.relax(ws, free, cfg.free_steps, False, "free", at_rest=True)
         self.s0.copy_(ws.state)
         return free
 
@@ -250,8 +250,9 @@ class Relaxation:
         """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean."""
         return torch.mul(self.m.readout.r_sc, self.cfg.dt * steps).mul_(spd_mean)
 
-    def run(self, ws: Workspace, free: FreeState, start: int, steps: int, nudged: bool) -> None:
-        """Relaxation steps start .. start + steps - 1 of a phase over workspace ws."""
+    def run(self, ws: Workspace, free: FreeState, start: int, steps: int, nudged: bool, at_rest: bool = False) -> None:
+        """Relaxation steps start .. start + steps - 1 of a phase over workspace ws; at_rest: every layer of ws.state is
+        0 (free_phase zeroed it), so the first step skips the pulls of layers still at 0."""
         force = None
         if nudged and not self.cost.folded:  # the cost's force on this workspace's rows (retrieval's is folded)
             cost, f = self.cost, free.cost
@@ -262,20 +263,31 @@ class Relaxation:
         clamp = nudged and self.nudge.clamp
         self.steps_fn(
             PhaseRun(
-                ws, free.energy, free.frame, free.fold, self.integ, start, steps, nudged, self.one_hot, force, clamp
+                ws,
+                free.energy,
+                free.frame,
+                free.fold,
+                self.integ,
+                start,
+                steps,
+                nudged,
+                self.one_hot,
+                force,
+                clamp,
+                at_rest,
             )
         )
 
-    def relax(self, ws: Workspace, free: FreeState, steps: int, nudged: bool, name: str) -> None:
+    def relax(self, ws: Workspace, free: FreeState, steps: int, nudged: bool, name: str, at_rest: bool = False) -> None:
         """A phase of `steps` steps; with on_steps set, in chunks of progress_every steps, each followed by one
         transfer of [spd_last mean, lior mean] (the chunks give the same result as one run)."""
         every = self.progress_every
         if self.on_steps is None or every < 1:
-            self.run(ws, free, 0, steps, nudged)
+            self.run(ws, free, 0, steps, nudged, at_rest)
             return
         for done in range(0, steps, every):
             n = min(every, steps - done)
-            self.run(ws, free, done, n, nudged)
+            self.run(ws, free, done, n, nudged, at_rest and done == 0)
             spd_last, lior = torch.stack(
                 [ws.spd_hist[done + n - 1].mean(), self.lior(ws.spd_hist[: done + n].mean(), done + n)]
             ).tolist()
