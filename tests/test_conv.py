@@ -198,7 +198,8 @@ def test_the_window_derives_the_pooled_kernel_once_and_a_conv_run_is_unchanged(m
     for per_pull in (False, True):
         if per_pull:
             monkeypatch.setattr(Energy, "for_window", lambda self: self)
-        cfg, m, x, y = conv_machine(layers, image=(2, 12, 12), free_steps=4, nudge_steps=2)
+        # three Jacobi nudged steps: the nudge reaches h_1 (with two, W_1's EP statistic is 0)
+        cfg, m, x, y = conv_machine(layers, image=(2, 12, 12), free_steps=4, nudge_steps=3)
         step = build_step(m, cfg, cfg, cfg.batch_size)
         calls = []
         real = conv_module.pooled_kernel
@@ -210,9 +211,8 @@ def test_the_window_derives_the_pooled_kernel_once_and_a_conv_run_is_unchanged(m
         runs.append(([t.clone() for t in m.named_params().values()], len(calls)))
     (cached, n_cached), (per_pull, n_per_pull) = runs
     assert all(torch.equal(a, b) for a, b in zip(cached, per_pull))
-    assert not torch.equal(
-        cached[0], conv_machine(layers, image=(2, 12, 12))[1].energy.couplings[0].weight
-    )  # it learned
+    fresh = conv_machine(layers, image=(2, 12, 12))[1].energy.couplings
+    assert all((w - c.weight).abs().max() > 1e-4 for w, c in zip(cached[:4:2], fresh[:2], strict=True))  # it learned
     assert n_cached <= n_per_pull / 2  # once per coupling and window, not at every pull (the cap's own remain)
 
 

@@ -204,6 +204,39 @@ def test_a_free_phase_from_rest_skips_the_pulls_of_layers_at_rest_and_changes_no
     assert conv_pulls(pulls) - conv_pulls(from_rest) == convs
 
 
+@pytest.mark.parametrize("order", ["jacobi", "even_odd"])
+@pytest.mark.parametrize("name", [*MACHINES, "max3"])
+def test_the_nudged_phases_form_the_pulls_they_share_once_in_their_first_step(name, order, monkeypatch):
+    """The k nudged phases start as k copies of s0 and only q's step sees the nudge, so in their first step every pull
+    not read from the moved q is the same in each block: formed on one block (B rows) and copied. The phases end where
+    forming every pull on all k B rows leaves them, and a conv chain's first transposed convolution runs on B rows."""
+    cfg, m, x, y = machine(name, order, free_steps=3, nudge_steps=4)  # four: Jacobi's nudge reaches max3's h_1
+    r = Relaxation(m, cfg, cfg.batch_size)
+    rows = []  # rows of each transposed convolution of the nudged phases
+    transpose, relax = Conv.transpose, Relaxation.relax
+    monkeypatch.setattr(Conv, "transpose", lambda self, u: rows.append(u.shape[0]) or transpose(self, u))
+    ends = []
+    for replicas in (True, False):
+        if not replicas:  # every pull on every row
+            monkeypatch.setattr(Relaxation, "relax", lambda self, *a, replicas=1, **kw: relax(self, *a, **kw))
+        with torch.no_grad():
+            free = r.free_phase(x, y)
+            rows.clear()
+            r.nudged_phases(free)
+        ends.append(([t.clone() for t in r.ws_nudged.state.s], list(rows)))
+    (shared, shared_rows), (full, full_rows) = ends
+    for a, b in zip(shared, full, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    k, rows_b = r.nudge.phases, cfg.batch_size
+    for layer in (shared[0], shared[-1]):  # the nudge reached h_1 and q, differently in each phase
+        assert not torch.equal(layer[:rows_b], layer[rows_b:])
+    if name.startswith("dense"):
+        assert shared_rows == full_rows == []
+    else:
+        assert shared_rows[0] == rows_b and set(full_rows) == {k * rows_b}
+        assert len(shared_rows) == len(full_rows) and sum(shared_rows) < sum(full_rows)
+
+
 def ops_per_step(name: str, order: str, nudged: bool) -> float:
     cfg, m, x, y = machine(name, order, free_steps=6, nudge_steps=6)
     r = Relaxation(m, cfg, cfg.batch_size)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from trainer2.physics.couplings import Coupling
 from trainer2.physics.energy import Energy, forces
 from trainer2.physics.readout import ReadoutFrame, ReadoutScratch, readout_force
 
@@ -292,6 +293,7 @@ class PhaseRun:
     force: Force | None = None
     clamp: bool = False
     at_rest: bool = False  # every layer of ws.state is 0 at step `start` (a free phase's first run)
+    replicas: int = 1  # ws.state is this many identical row blocks at step `start` (the nudged phases, from s0)
     q_step: Callable[["PhaseRun", Tensor, Tensor, Tensor], None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -324,25 +326,17 @@ def fixed_point_steps(run: PhaseRun) -> None:
         q = ws.q_rows[t]
         run.q_step(run, top, q, ws.q_rows[t + 1])
         rest = run.at_rest and t == start  # every neighbour is 0: the pulls from above vanish (one transposed conv)
+        shared = run.replicas > 1 and t == start  # every layer reads the identical blocks: formed on the first
         # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q; the
         # output coupling c[last] is dense, so its pull does not read the layer it writes).
-        for i, out in enumerate(ws.temp):
-            if i == 0 and rest:
-                out.copy_(ws.drive)
-            elif i == 0:
-                c[1].down(s[1], s[0], ws.drive, out)
+        for j, out in [*enumerate(ws.temp), (last - 1, top)]:
+            above = s[j + 1] if j + 1 < last else q
+            if shared:
+                b = out.shape[0] // run.replicas
+                layer_pulls(c, [x[:b] for x in s], ws.drive[:b], j, above[:b], out[:b], not rest)
+                copy_blocks(out, b)
             else:
-                c[i].up(s[i - 1], out)
-                if not rest:
-                    c[i + 1].add_down(s[i + 1], s[i], out)
-        if last == 1 and rest:
-            top.copy_(ws.drive)
-        elif last == 1:
-            c[last].down(q, top, ws.drive, top)
-        else:
-            c[last - 1].up(s[last - 2], top)
-            if not rest:
-                c[last].add_down(q, top, top)
+                layer_pulls(c, s, ws.drive, j, above, out, not rest)
         top.clamp_(0.0, 1.0)
         if ws.temp:
             torch._foreach_clamp_min_(ws.temp, 0.0)
@@ -387,6 +381,26 @@ def record_speeds(run: PhaseRun) -> None:
     torch.linalg.vector_norm(ws.zv_hist[start:end], dim=2, out=ws.spd_hist[start:end])
 
 
+def layer_pulls(
+    c: list[Coupling], s: list[Tensor], drive: Tensor, j: int, above: Tensor, out: Tensor, from_above: bool
+) -> None:
+    """out = hidden layer j's pull from below (c[j] from s[j - 1]; h_1's is the drive) plus, with from_above, the pull
+    of `above` through c[j + 1] (at layer j's current value s[j], which a max-pooled coupling reads)."""
+    if j == 0 and from_above:
+        c[1].down(above, s[0], drive, out)
+    elif j == 0:
+        out.copy_(drive)
+    else:
+        c[j].up(s[j - 1], out)
+        if from_above:
+            c[j + 1].add_down(above, s[j], out)
+
+
+def copy_blocks(t: Tensor, rows: int) -> None:
+    """t (k * rows, n): its first block of `rows` rows copied into the other k - 1."""
+    t[rows:].view(-1, rows, t.shape[1]).copy_(t[:rows])
+
+
 def halves(depth: int) -> tuple[list[int], list[int]]:
     """The state layers s[j] = h_{j+1} of a chain of `depth` hidden layers (q = s[depth] = h_{M+1}) by parity: the odd
     layers h_1, h_3, ... (j even), which move first, and the even ones h_2, h_4, ... (j odd)."""
@@ -417,6 +431,7 @@ def even_odd_steps(run: PhaseRun) -> None:
     ws.q_rows[start].copy_(s[last])
     for t in range(start, start + steps):
         q_now, q_new = ws.q_rows[t], ws.q_rows[t + 1]
+        q_moved = False
         for k, half in enumerate(order):
             # From rest, the first half's neighbours (the other half) are still 0: the pulls from above vanish (for a
             # conv chain, the transposed convolution of the first layer, the costliest operator of a step).
@@ -425,18 +440,21 @@ def even_odd_steps(run: PhaseRun) -> None:
             for j in half:
                 if j == last:
                     run.q_step(run, s[last - 1], q_now, q_new)
-                    q_now = q_new  # the other half's h_M reads the new q
+                    q_now, q_moved = q_new, True  # the other half's h_M reads the new q
                     continue
                 above = s[j + 1] if j + 1 < last else q_now
                 out = staged.get(j, s[j])
-                if j == 0 and rest:
-                    out.copy_(ws.drive)
-                elif j == 0:
-                    c[1].down(above, s[0], ws.drive, out)
+                if run.replicas > 1 and t == start:
+                    # The nudged phases start as copies of s0 and only q's step sees the nudge: in their first step
+                    # every pull not from the moved q is the same in each block, formed once on the first block's
+                    # rows (a conv chain: its first layer's transposed conv and the conv above it, on 1/k the rows).
+                    b, from_q = out.shape[0] // run.replicas, j + 1 == last and q_moved
+                    layer_pulls(c, [x[:b] for x in s], ws.drive[:b], j, above[:b], out[:b], not (rest or from_q))
+                    copy_blocks(out, b)
+                    if from_q:
+                        c[last].add_down(q_now, s[j], out)
                 else:
-                    c[j].up(s[j - 1], out)
-                    if not rest:
-                        c[j + 1].add_down(above, s[j], out)
+                    layer_pulls(c, s, ws.drive, j, above, out, not rest)
                 if out is s[j]:
                     boxed.append(out)
                 else:

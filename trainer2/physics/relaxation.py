@@ -222,7 +222,8 @@ class Relaxation:
             clamp_output(ws)
         else:
             set_nudge_scale(ws, free.fold, self.integ, self.cost.folded)
-        self.relax(ws, free, self.cfg.nudge_steps, True, "nudged")
+        # Unclamped, the k phases start as k identical copies of s0 (their nudge enters through q's step alone).
+        self.relax(ws, free, self.cfg.nudge_steps, True, "nudged", replicas=1 if self.nudge.clamp else k)
 
     def adjoint_phase(self, free: FreeState) -> list[Tensor]:
         """Recurrent backprop's second phase (an adjoint scheme): g = dloss/dq at q0, the box masks at s0, then
@@ -250,9 +251,20 @@ class Relaxation:
         """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean."""
         return torch.mul(self.m.readout.r_sc, self.cfg.dt * steps).mul_(spd_mean)
 
-    def run(self, ws: Workspace, free: FreeState, start: int, steps: int, nudged: bool, at_rest: bool = False) -> None:
+    def run(
+        self,
+        ws: Workspace,
+        free: FreeState,
+        start: int,
+        steps: int,
+        nudged: bool,
+        at_rest: bool = False,
+        replicas: int = 1,
+    ) -> None:
         """Relaxation steps start .. start + steps - 1 of a phase over workspace ws; at_rest: every layer of ws.state is
-        0 (free_phase zeroed it), so the first step skips the pulls of layers still at 0."""
+        0 (free_phase zeroed it), so the first step skips the pulls of layers still at 0; replicas: ws.state is that
+        many identical row blocks (the unclamped nudged phases from s0), so the first step forms the pulls that do not
+        read the nudged q on one block."""
         force = None
         if nudged and not self.cost.folded:  # the cost's force on this workspace's rows (retrieval's is folded)
             cost, f = self.cost, free.cost
@@ -275,19 +287,29 @@ class Relaxation:
                 force,
                 clamp,
                 at_rest,
+                replicas,
             )
         )
 
-    def relax(self, ws: Workspace, free: FreeState, steps: int, nudged: bool, name: str, at_rest: bool = False) -> None:
+    def relax(
+        self,
+        ws: Workspace,
+        free: FreeState,
+        steps: int,
+        nudged: bool,
+        name: str,
+        at_rest: bool = False,
+        replicas: int = 1,
+    ) -> None:
         """A phase of `steps` steps; with on_steps set, in chunks of progress_every steps, each followed by one
         transfer of [spd_last mean, lior mean] (the chunks give the same result as one run)."""
         every = self.progress_every
         if self.on_steps is None or every < 1:
-            self.run(ws, free, 0, steps, nudged, at_rest)
+            self.run(ws, free, 0, steps, nudged, at_rest, replicas)
             return
         for done in range(0, steps, every):
             n = min(every, steps - done)
-            self.run(ws, free, done, n, nudged, at_rest and done == 0)
+            self.run(ws, free, done, n, nudged, at_rest and done == 0, replicas if done == 0 else 1)
             spd_last, lior = torch.stack(
                 [ws.spd_hist[done + n - 1].mean(), self.lior(ws.spd_hist[: done + n].mean(), done + n)]
             ).tolist()
