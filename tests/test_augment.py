@@ -28,7 +28,10 @@ def test_each_image_is_one_edge_padded_translation_within_the_shift():
     rows = torch.randn(16, 2 * 5 * 6)
     out = shift_images(rows, shape, shift, window_generator(7, 3, 0))
     assert out.shape == rows.shape
-    seen = set()
+    # the generator's first draw is every (dy, dx) (B dys, then B dxs): a resumed run of an earlier main draws the same
+    dy, dx = torch.randint(0, 2 * shift + 1, (2, 16), generator=window_generator(7, 3, 0)) - shift
+    drawn = list(zip(dy.tolist(), dx.tolist(), strict=True))
+    seen = []
     for img, got in zip(rows.view(-1, *shape), out.view(-1, *shape), strict=True):
         moves = [
             (dy, dx)
@@ -37,8 +40,8 @@ def test_each_image_is_one_edge_padded_translation_within_the_shift():
             if torch.equal(shifted_reference(img, dy, dx), got)
         ]
         assert len(moves) == 1, moves  # random pixels: exactly one translation reproduces the image
-        seen.add(moves[0])
-    assert len(seen) > 3  # the images do not all move alike
+        seen.append(moves[0])
+    assert seen == drawn and len(set(seen)) > 3  # the images do not all move alike
 
 
 def test_the_draws_depend_on_seed_window_and_rank_only():
