@@ -321,15 +321,16 @@ def fixed_point_steps(run: PhaseRun) -> None:
     s, c = ws.state.s, run.energy.couplings  # c[i] joins layer i - 1 (the input for i = 0) to layer i
     last = len(s) - 1
     top = s[last - 1]  # h_M is updated in place: only q reads it, and q's step is formed first
+    # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q; the output
+    # coupling c[last] is dense, so its pull does not read the layer it writes).
+    targets = [*enumerate(ws.temp), (last - 1, top)]
     ws.q_rows[start].copy_(s[last])
     for t in range(start, start + steps):
         q = ws.q_rows[t]
         run.q_step(run, top, q, ws.q_rows[t + 1])
         rest = run.at_rest and t == start  # every neighbour is 0: the pulls from above vanish (one transposed conv)
         shared = run.replicas > 1 and t == start  # every layer reads the identical blocks: formed on the first
-        # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q; the
-        # output coupling c[last] is dense, so its pull does not read the layer it writes).
-        for j, out in [*enumerate(ws.temp), (last - 1, top)]:
+        for j, out in targets:
             above = s[j + 1] if j + 1 < last else q
             if shared:
                 b = out.shape[0] // run.replicas
