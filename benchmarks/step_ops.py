@@ -16,7 +16,7 @@ from torch.profiler import profile
 
 import trainer2
 from trainer2.data.load import DataConfig, load_data
-from trainer2.running.bench import NO_KERNEL, host_batches, make_step
+from trainer2.running.bench import host_batches, kernel_ops, make_step
 from trainer2.running.step_runner import StepRunner
 
 
@@ -43,18 +43,7 @@ def step_ops(cfg: trainer2.TrainConfig, batch: int) -> Counter:
         with profile(with_stack=True) as prof:
             runner.step(*feed[3])
 
-    def counted(e) -> bool:
-        return e.name.startswith("aten::") and e.name not in NO_KERNEL
-
-    def top(e) -> bool:  # not inside another counted operator (bench's rule)
-        p = e.cpu_parent
-        while p is not None:
-            if counted(p):
-                return False
-            p = p.cpu_parent
-        return True
-
-    return Counter(issuer(e) for e in prof.events() if counted(e) and top(e))
+    return Counter(issuer(e) for e in kernel_ops(prof.events()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -323,14 +323,14 @@ def fixed_point_steps(run: PhaseRun) -> None:
     top = s[last - 1]  # h_M is updated in place: only q reads it, and q's step is formed first
     # Lower hidden layers go to temp (they read old neighbours); the top one in place (it reads the old q; the output
     # coupling c[last] is dense, so its pull does not read the layer it writes).
-    targets = [*enumerate(ws.temp), (last - 1, top)]
+    moving = [*enumerate(ws.temp), (last - 1, top)]  # (layer, where its new value goes)
     ws.q_rows[start].copy_(s[last])
     for t in range(start, start + steps):
         q = ws.q_rows[t]
         run.q_step(run, top, q, ws.q_rows[t + 1])
         rest = run.at_rest and t == start  # every neighbour is 0: the pulls from above vanish (one transposed conv)
         shared = run.replicas > 1 and t == start  # every layer reads the identical blocks: formed on the first
-        for j, out in targets:
+        for j, out in moving:
             above = s[j + 1] if j + 1 < last else q
             if shared:
                 b = out.shape[0] // run.replicas

@@ -116,16 +116,9 @@ def stacking_text(cfg: TrainConfig) -> str:
     return names.get(phases, f"{phases} nudged phases stacked in one batch")
 
 
-def count_work(prof: profile, cuda: bool) -> tuple[int, int]:
-    """(device kernels, host launch calls) on CUDA; (kernel-running top-level ops incl. inductor C++ kernels, same)
-    on CPU."""
-    events = prof.events()
-    if cuda:
-        kernels = sum(1 for e in events if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
-        launches = sum(
-            1 for e in events if e.device_type.name == "CPU" and ("LaunchKernel" in e.name or "GraphLaunch" in e.name)
-        )
-        return kernels, launches
+def kernel_ops(events: list) -> list:
+    """The CPU profile's kernel-running operators: aten ops that are not views (and inductor C++ kernels), each
+    counted once, not inside another counted one."""
 
     def counted(e) -> bool:
         return (e.name.startswith("aten::") and e.name not in NO_KERNEL) or "cpp_fused" in e.name
@@ -138,7 +131,20 @@ def count_work(prof: profile, cuda: bool) -> tuple[int, int]:
             p = p.cpu_parent
         return False
 
-    ops = sum(1 for e in events if counted(e) and not has_counted_parent(e))
+    return [e for e in events if counted(e) and not has_counted_parent(e)]
+
+
+def count_work(prof: profile, cuda: bool) -> tuple[int, int]:
+    """(device kernels, host launch calls) on CUDA; (kernel-running top-level ops incl. inductor C++ kernels, same)
+    on CPU."""
+    events = prof.events()
+    if cuda:
+        kernels = sum(1 for e in events if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
+        launches = sum(
+            1 for e in events if e.device_type.name == "CPU" and ("LaunchKernel" in e.name or "GraphLaunch" in e.name)
+        )
+        return kernels, launches
+    ops = len(kernel_ops(events))
     return ops, ops
 
 
