@@ -482,7 +482,8 @@ def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
     else:
         torch.mul(ws.pi, ws.target_mask, out=ws.w)
         torch.sum(ws.w, dim=1, keepdim=True, out=ws.py)
-        ws.w.div_(ws.py).sub_(ws.pi).mul_(rspd).mul_(ws.beta_col)
+        # -beta_col (pi - mask pi / p_y) / spd: the same bits as beta_col (mask pi / p_y - pi) / spd, one operator fewer
+        torch.addcdiv(ws.pi, ws.w, ws.py, value=-1.0, out=ws.w).mul_(rspd).mul_(ws.neg_beta)
     ws.dqs.addmm_(ws.w, fold.caug, alpha=-1.0)  # [dq | 0] += [-w C | sum w]
     ws.dq.addcmul_(ws.wsum, ws.qa)
 
