@@ -127,6 +127,41 @@ def test_a_layer_under_max_pooling_steps_from_its_old_argmax():
     assert not torch.equal(pull, c3.adjoint(new_h3, new_h2).flatten(1))  # and the argmax moved in this step
 
 
+@pytest.mark.parametrize("name", ["conv_max", "max3"])
+def test_max_pooling_convolves_for_its_argmax_only_where_no_up_pull_found_it(name, monkeypatch):
+    """Even/odd: the pull through a max-pooled coupling on its layer below is placed at the argmax its up pull found at
+    that layer's current value (`Conv.up_reading`), so it convolves that layer again only where no up pull has run
+    since it changed: never in a free phase (from rest the first half has no pull from above), and in the nudged phases
+    only before the first up pull (their first step's pulls are formed on one block of rows, without reads): max3's
+    pooled layer h_3 moves in the first half, conv_max's h_2 in the second, after h_1's pull down. The states are
+    bitwise those of convolving every time."""
+    calls = []
+    argmax = Conv.argmax
+
+    def counted(self, below):
+        calls.append(below.shape[0])
+        return argmax(self, below)
+
+    monkeypatch.setattr(Conv, "argmax", counted)
+    steps, runs = 4, {}
+    for reads in (True, False):
+        if not reads:
+            monkeypatch.delattr(Conv, "up_reading")  # a coupling that cannot tell: every pull down convolves
+        cfg, m, x, y = machine(name, "even_odd", free_steps=steps, nudge_steps=steps)
+        r = Relaxation(m, cfg, cfg.batch_size)
+        with torch.no_grad():
+            calls.clear()
+            free = r.free_phase(x, y)
+            free_calls = len(calls)
+            r.nudged_phases(free)
+        runs[reads] = (free_calls, len(calls) - free_calls, [t.clone() for t in r.ws_nudged.state.s])
+    # (free, nudged) argmax convolutions with reads and without; from rest conv_max's h_1 has no pull from above
+    want = {"conv_max": ((0, 2), (steps - 1, steps)), "max3": ((0, 1), (steps, steps))}[name]
+    assert (runs[True][:2], runs[False][:2]) == want
+    for got, want in zip(runs[True][2], runs[False][2], strict=True):
+        assert torch.equal(got, want)
+
+
 def test_under_max_pooling_each_order_settles_in_an_equilibrium_of_both():
     """Max pooling makes the equilibrium non-unique (max3: the two orders end up to 1e-2 apart); what each order
     reaches is still a fixed point of both orders' steps (a consistent argmax), not an artefact of one of them."""
@@ -214,7 +249,7 @@ def test_the_nudged_phases_form_the_pulls_they_share_once_in_their_first_step(na
     r = Relaxation(m, cfg, cfg.batch_size)
     rows = []  # rows of each transposed convolution of the nudged phases
     transpose, relax = Conv.transpose, Relaxation.relax
-    monkeypatch.setattr(Conv, "transpose", lambda self, u: rows.append(u.shape[0]) or transpose(self, u))
+    monkeypatch.setattr(Conv, "transpose", lambda self, u, *a: rows.append(u.shape[0]) or transpose(self, u, *a))
     ends = []
     for replicas in (True, False):
         if not replicas:  # every pull on every row

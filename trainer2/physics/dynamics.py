@@ -295,6 +295,9 @@ class PhaseRun:
     at_rest: bool = False  # every layer of ws.state is 0 at step `start` (a free phase's first run)
     replicas: int = 1  # ws.state is this many identical row blocks at step `start` (the nudged phases, from s0)
     q_step: Callable[["PhaseRun", Tensor, Tensor, Tensor], None] = field(init=False, repr=False)
+    # What the even/odd step's up pulls found for the pulls down (`layer_pulls`); None: no coupling's pull down reads
+    # its layer below (dense, average pooling), or one cannot tell what
+    reads: dict[int, Tensor] | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.nudged:
@@ -304,6 +307,9 @@ class PhaseRun:
         else:
             step = q_folded if self.force is None else q_forced
         object.__setattr__(self, "q_step", step)
+        readers = [c for c in self.energy.couplings if c.down_reads_below]
+        reads = {} if readers and all(hasattr(c, "up_reading") for c in readers) else None  # None: nothing to keep
+        object.__setattr__(self, "reads", reads)
 
 
 PhaseFn = Callable[[PhaseRun], None]
@@ -383,18 +389,39 @@ def record_speeds(run: PhaseRun) -> None:
 
 
 def layer_pulls(
-    c: list[Coupling], s: list[Tensor], drive: Tensor, j: int, above: Tensor, out: Tensor, from_above: bool
+    c: list[Coupling],
+    s: list[Tensor],
+    drive: Tensor,
+    j: int,
+    above: Tensor,
+    out: Tensor,
+    from_above: bool,
+    reads: dict[int, Tensor] | None = None,
 ) -> None:
     """out = hidden layer j's pull from below (c[j] from s[j - 1]; h_1's is the drive) plus, with from_above, the pull
-    of `above` through c[j + 1] (at layer j's current value s[j], which a max-pooled coupling reads)."""
-    if j == 0 and from_above:
-        c[1].down(above, s[0], drive, out)
-    elif j == 0:
-        out.copy_(drive)
+    of `above` through c[j + 1] (at layer j's current value s[j], which a max-pooled coupling reads).
+
+    reads (the even/odd step's): by coupling index, what a coupling whose down pull reads its layer below found of
+    that layer in its up pull (max pooling: the argmax of conv_K(below), `Conv.up_reading`). The pull down takes it
+    instead of convolving again; layer j changes after this call, so c[j + 1]'s entry goes either way."""
+    if j == 0:
+        if not from_above:
+            out.copy_(drive)
+        elif reads is not None and 1 in reads:
+            c[1].add_down_read(above, reads[1], out.copy_(drive))
+        else:
+            c[1].down(above, s[0], drive, out)
     else:
-        c[j].up(s[j - 1], out)
-        if from_above:
+        if reads is not None and c[j].down_reads_below:
+            reads[j] = c[j].up_reading(s[j - 1], out)
+        else:
+            c[j].up(s[j - 1], out)
+        if from_above and reads is not None and j + 1 in reads:
+            c[j + 1].add_down_read(above, reads[j + 1], out)
+        elif from_above:
             c[j + 1].add_down(above, s[j], out)
+    if reads is not None:
+        reads.pop(j + 1, None)
 
 
 def copy_blocks(t: Tensor, rows: int) -> None:
@@ -423,7 +450,8 @@ def even_odd_steps(run: PhaseRun) -> None:
     the exact minimiser of E in its layers given the rest (block coordinate descent) and is written in place: no
     temp copies, and about half the steps of the Jacobi sweep to a given residual. A layer under a max-pooled coupling
     is staged through ws.temp instead (`staged_layers`); its half step uses the argmax of its old value (a majoriser's
-    minimiser, so E still falls), as the Jacobi sweep does. q_t is kept in ws.q_rows[t]; spd as fixed_point_steps."""
+    minimiser, so E still falls), as the Jacobi sweep does: the argmax the other half's up pull found at that value
+    (run.reads), not a second convolution of it. q_t is kept in ws.q_rows[t]; spd as fixed_point_steps."""
     ws, start, steps = run.ws, run.start, run.steps
     s, c = ws.state.s, run.energy.couplings
     last = len(s) - 1
@@ -454,8 +482,10 @@ def even_odd_steps(run: PhaseRun) -> None:
                     copy_blocks(out, b)
                     if from_q:
                         c[last].add_down(q_now, s[j], out)
+                    if run.reads is not None:
+                        run.reads.pop(j + 1, None)  # layer j changes (nothing was read on these rows alone)
                 else:
-                    layer_pulls(c, s, ws.drive, j, above, out, not rest)
+                    layer_pulls(c, s, ws.drive, j, above, out, not rest, run.reads)
                 if out is s[j]:
                     boxed.append(out)
                 else:

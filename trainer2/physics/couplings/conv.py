@@ -69,19 +69,7 @@ class Conv:
 
     @classmethod
     def workspace_bytes(cls, below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:
-        """Bytes allocated beyond the workspace at the peak of its operations over `rows` rows: a pull's convolution
-        output (full resolution before max pooling, with its argmax and unpooled plane) and the adjoint's
-        channels-last copy; the EP statistic's rows of both phases concatenated and their copies with rows as
-        channels (the correlation is one convolution)."""
-        channels, kernel, pool, pooling = parse_spec(spec)
-        c_in, h, w = below
-        maxpool = pooling == "max" and pool > 1
-        stride = 1 if maxpool else pool
-        pixels = (h // stride) * (w // stride)  # of L's output
-        linear = channels * pixels
-        pull = 2 * linear + math.prod(below) + (3 * linear if maxpool else 0)  # argmax int64 + unpooled plane
-        statistic = 2 * (linear + math.prod(below))
-        return itemsize * rows * max(pull, statistic)
+        return workspace_bytes(below, spec, rows, itemsize)
 
     @classmethod
     def init(
@@ -149,10 +137,11 @@ class Conv:
         """L below (+ b) as (R, *linear_shape) from below (R, C_in H W)."""
         return F.conv2d(self.image(below), self.linear_kernel(), bias, stride=self.stride, padding=self.padding)
 
-    def transpose(self, u: Tensor) -> Tensor:
-        """L^T u as (R, C_in, H, W) (channels-last strides) from u (R, prod(linear_shape)). The transposed
-        convolution takes its input channels-last: on the CPU that is oneDNN's path, about 3x faster than the
-        default one (benchmarks/conv_speed.py)."""
+    def transpose(self, u: Tensor, where: Tensor | None = None) -> Tensor:
+        """L^T u as (R, C_in, H, W) (channels-last strides) from u (R, prod(linear_shape)), or from u (R, C_out H' W')
+        unpooled to the argmax positions `where`. The transposed convolution takes its input channels-last: on the CPU
+        that is oneDNN's path, about 3x faster than the default one (benchmarks/conv_speed.py)."""
+        u = u if where is None else self.unpool(u, where)
         u = u.view(u.shape[0], *self.linear_shape).contiguous(memory_format=torch.channels_last)
         return F.conv_transpose2d(
             u, self.linear_kernel(), stride=self.stride, padding=self.padding, output_padding=self.output_padding
@@ -175,7 +164,7 @@ class Conv:
     def adjoint(self, above: Tensor, below: Tensor) -> Tensor:
         """-dE_c/d below without the bias, as (R, C_in, H, W) (channels-last strides), from above (R, C_out H' W'):
         L^T above, `above` first unpooled to the argmax of conv_K(below) under max pooling (else below is unused)."""
-        return self.transpose(self.unpool(above, self.argmax(below)) if self.maxpool else above)
+        return self.transpose(above, self.argmax(below) if self.maxpool else None)
 
     def image(self, t: Tensor) -> Tensor:
         """A (R, C_in H W) row block of the layer below viewed as (R, C_in, H, W)."""
@@ -202,12 +191,23 @@ class Conv:
         return out
 
     def add_down(self, above: Tensor, below: Tensor, out: Tensor) -> Tensor:
-        self.image(out).add_(self.adjoint(above, below))
-        return out
+        return self.add_down_read(above, self.argmax(below) if self.maxpool else None, out)
 
     @property
     def down_reads_below(self) -> bool:
         return self.maxpool  # the argmax of conv_K(below) places the pull; average pooling is bilinear
+
+    def up_reading(self, below: Tensor, out: Tensor) -> Tensor:
+        """up, returning what the pull on the layer below reads of it (max pooling): the argmax positions
+        (R, C_out, H', W') of conv_K(below) + b in each p x p window (the bias is constant over a window)."""
+        z, where = F.max_pool2d(self.convolve(below, self.bias_), self.pool, return_indices=True)
+        out.copy_(z.view(out.shape))
+        return where
+
+    def add_down_read(self, above: Tensor, where: Tensor | None, out: Tensor) -> Tensor:
+        """add_down, given the argmax positions `where` of the layer below (None without max pooling)."""
+        self.image(out).add_(self.transpose(above, where))
+        return out
 
     def energy(self, below: Tensor, above: Tensor) -> Tensor:
         """Written as the textbook conv then pool (not the fused kernel), so tests check one against the other."""
@@ -288,6 +288,20 @@ class Conv:
         for _ in range(2):
             sigma = steady.power_step(u)
         self.weight.mul_(torch.div(cap, sigma).clamp_(max=1.0))
+
+
+def workspace_bytes(below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:
+    """Bytes a conv coupling allocates beyond the workspace at the peak of its operations over `rows` rows: a pull's
+    convolution output (full resolution before max pooling, with its argmax and unpooled plane) and the adjoint's
+    channels-last copy; the EP statistic's rows of both phases concatenated and their copies with rows as channels
+    (the correlation is one convolution)."""
+    channels, kernel, pool, pooling = parse_spec(spec)
+    maxpool = pooling == "max" and pool > 1
+    stride = 1 if maxpool else pool
+    linear = channels * (below[1] // stride) * (below[2] // stride)  # L's output
+    pull = 2 * linear + math.prod(below) + (3 * linear if maxpool else 0)  # argmax int64 + unpooled plane
+    statistic = 2 * (linear + math.prod(below))
+    return itemsize * rows * max(pull, statistic)
 
 
 def pooled_kernel(weight: Tensor, pool: int) -> Tensor:

@@ -76,7 +76,10 @@ class Coupling(Protocol):
     @property
     def down_reads_below(self) -> bool:
         """Whether the pull on the layer below reads that layer's own value (max pooling): a step that moves the layer
-        below must then form that pull before it overwrites the layer."""
+        below must then form that pull before it overwrites the layer. Such a coupling may also provide
+        `up_reading(below, out) -> read` (up, returning what the pull on the layer below reads of `below`) and
+        `add_down_read(above, read, out)` (add_down from it): the even/odd step then forms that read once, in the up
+        pull, not again in the pull down (Conv: the argmax of its max pooling)."""
 
     @property
     def bias(self) -> Tensor:
