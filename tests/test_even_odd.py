@@ -32,14 +32,21 @@ MAX3 = [
     {"conv": {"channels": 2, "kernel": 3}},
     {"conv": {"channels": 2, "kernel": 3, "pool": 2, "pooling": "max"}},
 ]
+# two max-pooled couplings in a row (the DCHN pattern): h_2's pull from below finds an argmax while its pull from above
+# takes the one h_3's up pull found
+MAXMAX = [
+    {"conv": {"channels": 3, "kernel": 3}},
+    {"conv": {"channels": 2, "kernel": 3, "pool": 2, "pooling": "max"}},
+    {"conv": {"channels": 2, "kernel": 3, "pool": 2, "pooling": "max"}},
+]
 MACHINES = [f"dense{len(h)}" for h in DENSE] + list(CONV)
 
 
 def machine(name: str, order: str, **overrides):
     """(cfg, machine, inputs, targets) of a tiny float64 machine by name, relaxing in `order`."""
     overrides = {"relaxation": order, "beta_nudge": 0.05, **overrides}
-    if name in CONV or name == "max3":
-        return conv_machine(MAX3 if name == "max3" else CONV[name], **overrides)
+    if name in CONV or name in ("max3", "maxmax"):
+        return conv_machine({"max3": MAX3, "maxmax": MAXMAX}.get(name) or CONV[name], **overrides)
     cfg = tiny_config(hidden_sizes=DENSE[int(name.removeprefix("dense")) - 1], **overrides)
     return (cfg, tiny_machine(cfg), *tiny_batch(cfg))
 
@@ -127,7 +134,7 @@ def test_a_layer_under_max_pooling_steps_from_its_old_argmax():
     assert not torch.equal(pull, c3.adjoint(new_h3, new_h2).flatten(1))  # and the argmax moved in this step
 
 
-@pytest.mark.parametrize("name", ["conv_max", "max3"])
+@pytest.mark.parametrize("name", ["conv_max", "max3", "maxmax"])
 def test_max_pooling_convolves_for_its_argmax_only_where_no_up_pull_found_it(name, monkeypatch):
     """Even/odd: the pull through a max-pooled coupling on its layer below is placed at the argmax its up pull found at
     that layer's current value (`Conv.up_reading`), so it convolves that layer again only where no up pull has run
@@ -156,7 +163,11 @@ def test_max_pooling_convolves_for_its_argmax_only_where_no_up_pull_found_it(nam
             r.nudged_phases(free)
         runs[reads] = (free_calls, len(calls) - free_calls, [t.clone() for t in r.ws_nudged.state.s])
     # (free, nudged) argmax convolutions with reads and without; from rest conv_max's h_1 has no pull from above
-    want = {"conv_max": ((0, 2), (steps - 1, steps)), "max3": ((0, 1), (steps, steps))}[name]
+    want = {
+        "conv_max": ((0, 2), (steps - 1, steps)),
+        "max3": ((0, 1), (steps, steps)),
+        "maxmax": ((0, 3), (2 * steps - 1, 2 * steps)),  # two pulls down through max pooling a step
+    }[name]
     assert (runs[True][:2], runs[False][:2]) == want
     for got, want in zip(runs[True][2], runs[False][2], strict=True):
         assert torch.equal(got, want)
@@ -211,9 +222,9 @@ def test_a_free_phase_from_rest_skips_the_pulls_of_layers_at_rest_and_changes_no
     convolution for a conv layer, the costliest operator of its step), and the state is the one every pull gives."""
     cfg, m, x, y = machine(name, order, free_steps=3)
     r = Relaxation(m, cfg, cfg.batch_size)
-    pulls = []  # "kind.method" of each pull from above formed
-    for cls in (Conv, Dense):
-        for method in ("down", "add_down"):
+    pulls = []  # "kind.method" of each pull from above formed (Conv's add_down is its add_down_read)
+    for cls, methods in ((Conv, ("down", "add_down_read")), (Dense, ("down", "add_down"))):
+        for method in methods:
             real = getattr(cls, method)
             spy = lambda self, *a, _real=real, _n=f"{cls.kind}.{method}": pulls.append(_n) or _real(self, *a)  # noqa: E731
             monkeypatch.setattr(cls, method, spy)

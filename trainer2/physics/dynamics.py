@@ -308,7 +308,8 @@ class PhaseRun:
             step = q_folded if self.force is None else q_forced
         object.__setattr__(self, "q_step", step)
         readers = [c for c in self.energy.couplings if c.down_reads_below]
-        reads = {} if readers and all(hasattr(c, "up_reading") for c in readers) else None  # None: nothing to keep
+        tells = all(hasattr(c, "up_reading") and hasattr(c, "add_down_read") for c in readers)
+        reads = {} if readers and tells else None  # None: nothing to keep, or a coupling that cannot tell it
         object.__setattr__(self, "reads", reads)
 
 

@@ -148,8 +148,9 @@ class Conv:
         )
 
     def argmax(self, below: Tensor) -> Tensor:
-        """(R, C_out, H', W') int64: where in each p x p window of conv_K(below) the maximum lies (max pooling)."""
-        return F.max_pool2d(self.convolve(below, None), self.pool, return_indices=True)[1]
+        """(R, C_out, H', W') int64: where in each p x p window of conv_K(below) + b the maximum lies (max pooling; b is
+        constant over a window), found as the up pull finds it (`up_reading`), so every pull rounds its ties alike."""
+        return F.max_pool2d(self.convolve(below, self.bias_), self.pool, return_indices=True)[1]
 
     def unpool(self, above: Tensor, where: Tensor) -> Tensor:
         """above (R, C_out H' W') placed at the argmax positions `where` in a (R, C_out, H, W) plane of zeros."""
@@ -198,8 +199,7 @@ class Conv:
         return self.maxpool  # the argmax of conv_K(below) places the pull; average pooling is bilinear
 
     def up_reading(self, below: Tensor, out: Tensor) -> Tensor:
-        """up, returning what the pull on the layer below reads of it (max pooling): the argmax positions
-        (R, C_out, H', W') of conv_K(below) + b in each p x p window (the bias is constant over a window)."""
+        """up, returning argmax(below) from the same convolution: what the pull on the layer below reads of it."""
         z, where = F.max_pool2d(self.convolve(below, self.bias_), self.pool, return_indices=True)
         out.copy_(z.view(out.shape))
         return where
@@ -294,14 +294,15 @@ def workspace_bytes(below: tuple[int, ...], spec: object, rows: int, itemsize: i
     """Bytes a conv coupling allocates beyond the workspace at the peak of its operations over `rows` rows: a pull's
     convolution output (full resolution before max pooling, with its argmax and unpooled plane) and the adjoint's
     channels-last copy; the EP statistic's rows of both phases concatenated and their copies with rows as channels
-    (the correlation is one convolution)."""
+    (the correlation is one convolution); under max pooling, the int64 argmax a step keeps between its halves."""
     channels, kernel, pool, pooling = parse_spec(spec)
     maxpool = pooling == "max" and pool > 1
     stride = 1 if maxpool else pool
     linear = channels * (below[1] // stride) * (below[2] // stride)  # L's output
     pull = 2 * linear + math.prod(below) + (3 * linear if maxpool else 0)  # argmax int64 + unpooled plane
     statistic = 2 * (linear + math.prod(below))
-    return itemsize * rows * max(pull, statistic)
+    kept = 8 * (linear // (pool * pool)) if maxpool else 0  # the argmax an even/odd step keeps for the pull down
+    return itemsize * rows * max(pull, statistic) + rows * kept
 
 
 def pooled_kernel(weight: Tensor, pool: int) -> Tensor:
