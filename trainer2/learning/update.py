@@ -9,7 +9,9 @@ accumulated by name on the device and read back in one transfer per log interval
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -19,8 +21,9 @@ from torch import Tensor
 from trainer2.learning.gradients import StepResult
 from trainer2.learning.params import GROUPS, ParamTable
 from trainer2.learning.subnormals import flush_subnormals_
+from trainer2.physics.couplings import Dense
 from trainer2.physics.kernels.backend import choose_update_backend
-from trainer2.physics.machine import Machine, MachineConfig, cap_spectral, project_constraints
+from trainer2.physics.machine import Machine, MachineConfig, coupling_cap, project_constraints
 from trainer2.section import Section
 
 MAX_LR = 1.0  # largest learning rate of any parameter group (see UpdateConfig._rates)
@@ -188,6 +191,19 @@ def fused_update(table: ParamTable, cfg: UpdateConfig, spec: MachineConfig):
     )
 
 
+def fused_caps(machine: Machine) -> list[Callable[[Tensor], None]]:
+    """The spectral cap of each coupling between state layers for the Triton update, called with its power vector:
+    one launch (trainer2.physics.kernels.cap_power) for a dense coupling whose W one program holds, else the coupling's
+    own cap_power. Imports triton, so call it only once triton is chosen."""
+    from trainer2.physics.kernels.cap_power import CapPower, fits
+
+    cap = coupling_cap(machine.spec)  # a subclass of Dense may cap otherwise: only Dense itself takes the kernel
+    return [
+        CapPower(c.weight, cap) if type(c) is Dense and fits(c.weight) else partial(c.cap_power, cap)
+        for c in machine.energy.between_states
+    ]
+
+
 # Sums over a log interval; `MetricSums.read` turns them into the logged means. Checkpoints keep them (one tensor for
 # the first ones, one for each added later, so checkpoints written before an addition still load).
 METRICS = (
@@ -253,6 +269,7 @@ class Updater:
         # The update's backend, chosen once: torch's operators, or the fused Triton update (readout clamps included)
         self.backend = choose_update_backend(cfg.update_backend, table.flat.device, table.flat.dtype)
         self.fused = fused_update(table, cfg, machine.spec) if self.backend.name == "triton" else None
+        self.caps = fused_caps(machine) if self.fused is not None else []
 
     def gather(self, grads: dict[str, Tensor]) -> Tensor:
         """Copy the named gradients into the flat buffer (one copy); returns it."""
@@ -267,7 +284,8 @@ class Updater:
         else:  # the fused kernel clamps the readout too
             s = self.state
             ok = self.fused(t.flat, self.grad, s.bufs, s.sq, s.count, s.lr, s.dropped, t.mult, t.decay_flat, self.step)
-            cap_spectral(self.m, s.power_vecs)
+            for cap, u in zip(self.caps, s.power_vecs):  # no vectors, no caps (as cap_spectral)
+                cap(u)
         st = out.stats
         self.metrics.add(
             {

@@ -165,7 +165,8 @@ def host_batches(data: Dataset, batch: int, n: int, seed: int) -> list[tuple[tor
 def triton_launches(step: BatchStep) -> int:
     """Triton launches the step's window and update have made so far (their counters; 0 for the torch backends)."""
     fused = step.updater.fused
-    return getattr(step.relax.steps_fn, "launches", 0) + (0 if fused is None else fused.launches)
+    caps = sum(getattr(cap, "launches", 0) for cap in step.updater.caps)  # the Triton update's dense caps
+    return getattr(step.relax.steps_fn, "launches", 0) + (0 if fused is None else fused.launches) + caps
 
 
 def make_step(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device) -> BatchStep:

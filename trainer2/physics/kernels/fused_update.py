@@ -1,8 +1,9 @@
 """The update of every parameter over the flat parameter buffer in one Triton launch (after grad_sums_kernel, which sums
 the gradient for the drop decision): heavy-ball momentum or Adam, the dropped-update mask, weight decay, per-element
 learning-rate multipliers, the subnormal flush of the moments, and the readout's clamps (g_diag to [g_min, g_max],
-r_sc >= r_min, theta wrapped to [-pi, pi)). The spectral cap's power iterations stay torch operators (the couplings'
-`cap_power`): they are products of the weight matrices, not elementwise work.
+r_sc >= r_min, theta wrapped to [-pi, pi)). The spectral cap's power iterations, products of the weight matrices
+rather than elementwise work, follow in launches of their own (kernels/cap_power.py, one per dense coupling that fits
+one program; the couplings' own `cap_power` otherwise).
 
 Its torch reference is trainer2.learning.update.flat_update followed by trainer2.physics.machine.clamp_readout, the
 torch update this replaces; tests/test_fused_update.py compares the two. The kernel repeats their operations in their
