@@ -7,6 +7,10 @@ anything imports triton; skipped with the reason otherwise."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +95,38 @@ def test_the_triton_update_caps_each_dense_coupling_in_one_launch(monkeypatch):
     monkeypatch.setattr(Dense, "cap_power", lambda *a: pytest.fail("the torch cap ran"))
     StepRunner(step).step(*tiny_batch(cfg))
     assert spy.grids == [(1,), (1,)]
+
+
+CUDA_CHECK = """
+import torch
+from trainer2.physics.couplings import Dense
+from trainer2.physics.kernels.cap_power import CapPower
+
+for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-13)):
+    for shape in ((16, 256), (32, 1024), (5, 7)):
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(shape, generator=gen, dtype=torch.float64)
+        w *= 3.0 / torch.linalg.matrix_norm(w, ord=2)
+        u = torch.randn(shape[0], generator=gen, dtype=torch.float64)
+        ref, tri = (Dense("1", w.to("cuda", dtype), torch.zeros(shape[0], dtype=dtype, device="cuda")) for _ in "ab")
+        u_ref, u_tri = u.div(u.norm()).to("cuda", dtype), u.div(u.norm()).to("cuda", dtype)
+        kernel = CapPower(tri.weight, 0.7)
+        for _ in range(2):
+            ref.cap_power(0.7, u_ref)
+            kernel(u_tri)
+        err = float((tri.weight - ref.weight).abs().max() / ref.weight.abs().max())
+        assert err <= tol and float((u_tri - u_ref).abs().max()) <= 10 * tol, (dtype, shape, err)
+        assert kernel.launches == 2
+print("PASS")
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (python -m benchmarks.gpu_checks on one)")
+def test_the_compiled_kernel_caps_as_dense_cap_power_on_cuda():
+    """The real (compiled, not interpreted) kernel at the presets' shapes, float32 and float64, against Dense.cap_power
+    on the GPU; in a subprocess, since this process interprets Triton."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", CUDA_CHECK], env=env, capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
