@@ -16,7 +16,7 @@ from torch import Tensor
 
 from trainer2.physics.kernels.chain import div_ieee, sqrt_ieee
 
-MAX_BYTES = 128 * 1024  # of W's power-of-two block: 32,768 float32 numbers, 128 a thread at 8 warps
+MAX_BYTES = 128 * 1024  # of W's power-of-two block: 32,768 float32 numbers, 64 a thread at 16 warps
 
 
 def fits(weight: Tensor) -> bool:
@@ -55,7 +55,8 @@ class CapPower:
         self.weight = weight
         self.cap = torch.tensor([cap], dtype=weight.dtype, device=weight.device)  # cap in W's dtype, as torch rounds it
         self.block = (triton.next_power_of_2(weight.shape[0]), triton.next_power_of_2(weight.shape[1]))
-        self.warps = 8 if weight.numel() > 4096 else 4
+        held = self.block[0] * self.block[1]  # W's block and its products take a register each per thread: 64 at most
+        self.warps = 4 if held <= 4096 else 8 if held <= 16384 else 16
         self.launches = 0
 
     def __call__(self, u: Tensor) -> None:
