@@ -6,24 +6,13 @@ anything imports triton; skipped with the reason otherwise."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from interpreted import require_interpreted_triton
 
-from trainer2.physics.kernels.backend import interpreting
-
-if importlib.util.find_spec("triton") is None or importlib.util.find_spec("numpy") is None:
-    pytest.skip(
-        "triton and numpy are not installed (pip install -e '.[kernels]'): the fused update is not tested",
-        allow_module_level=True,
-    )
-if not interpreting():
-    pytest.skip(
-        "TRITON_INTERPRET is off: the fused update runs on CPU tensors only in Triton's interpreter",
-        allow_module_level=True,
-    )
+require_interpreted_triton("the fused update")
 
 from test_triton_window import Spy  # noqa: E402
 from tiny import tiny_batch, tiny_config, tiny_machine  # noqa: E402

@@ -340,9 +340,7 @@ def fixed_point_steps(run: PhaseRun) -> None:
         for j, out in moving:
             above = s[j + 1] if j + 1 < last else q
             if shared:
-                b = out.shape[0] // run.replicas
-                layer_pulls(c, [x[:b] for x in s], ws.drive[:b], j, above[:b], out[:b], not rest)
-                copy_blocks(out, b)
+                first_block_pulls(c, s, ws.drive, j, above, out, not rest, run.replicas)
             else:
                 layer_pulls(c, s, ws.drive, j, above, out, not rest)
         top.clamp_(0.0, 1.0)
@@ -425,9 +423,14 @@ def layer_pulls(
         reads.pop(j + 1, None)
 
 
-def copy_blocks(t: Tensor, rows: int) -> None:
-    """t (k * rows, n): its first block of `rows` rows copied into the other k - 1."""
-    t[rows:].view(-1, rows, t.shape[1]).copy_(t[:rows])
+def first_block_pulls(
+    c: list[Coupling], s: list[Tensor], drive: Tensor, j: int, above: Tensor, out: Tensor, from_above: bool, blocks: int
+) -> None:
+    """layer_pulls formed on the first of `blocks` identical row blocks and copied into the others: the first step of
+    phases that start as copies of one state (the nudged phases from s0), where no pull here reads the moved q."""
+    rows = out.shape[0] // blocks
+    layer_pulls(c, [x[:rows] for x in s], drive[:rows], j, above[:rows], out[:rows], from_above)
+    out[rows:].view(-1, rows, out.shape[1]).copy_(out[:rows])
 
 
 def halves(depth: int) -> tuple[list[int], list[int]]:
@@ -478,9 +481,8 @@ def even_odd_steps(run: PhaseRun) -> None:
                     # The nudged phases start as copies of s0 and only q's step sees the nudge: in their first step
                     # every pull not from the moved q is the same in each block, formed once on the first block's
                     # rows (a conv chain: its first layer's transposed conv and the conv above it, on 1/k the rows).
-                    b, from_q = out.shape[0] // run.replicas, j + 1 == last and q_moved
-                    layer_pulls(c, [x[:b] for x in s], ws.drive[:b], j, above[:b], out[:b], not (rest or from_q))
-                    copy_blocks(out, b)
+                    from_q = j + 1 == last and q_moved
+                    first_block_pulls(c, s, ws.drive, j, above, out, not (rest or from_q), run.replicas)
                     if from_q:
                         c[last].add_down(q_now, s[j], out)
                     if run.reads is not None:
