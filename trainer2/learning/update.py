@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
@@ -91,8 +91,8 @@ class UpdateState:
     learning rate (0-dim, on the device so a schedule never breaks a captured graph), the dropped-update count, and
     the power-iteration vectors of the spectral caps."""
 
-    bufs: Tensor  # (P,)
-    sq: Tensor  # (P,) Adam's second moments; (0,) for heavy-ball
+    # (2, P) Adam's first and second moments, or (1, P) the heavy-ball buffer: one tensor, so one pass flushes both
+    moments: Tensor
     # The counts the step adds to are (1,), not 0-dim: torch.compile (AOT, torch 2.13) drops an in-place update of a
     # 0-dim CPU tensor, so a compiled run's count stayed 0 (Adam's bias correction frozen at its first step).
     # Checkpoints keep them 0-dim (tensors() gives 0-dim views), as before.
@@ -100,6 +100,12 @@ class UpdateState:
     lr: Tensor  # 0-dim; only read inside the step
     dropped: Tensor  # (1,)
     power_vecs: list[Tensor]
+    bufs: Tensor = field(init=False)  # (P,) moments[0]: the momentum buffer, Adam's first moment
+    sq: Tensor = field(init=False)  # (P,) moments[1]: Adam's second moments; (0,) for heavy-ball
+
+    def __post_init__(self) -> None:
+        self.bufs = self.moments[0]
+        self.sq = self.moments[1] if len(self.moments) > 1 else self.moments.new_zeros(0)
 
     @staticmethod
     def allocate(flat: Tensor, power_sizes: list[int], cfg: UpdateConfig) -> "UpdateState":
@@ -108,8 +114,7 @@ class UpdateState:
 
         ones = [torch.ones(h, dtype=flat.dtype, device=flat.device) for h in power_sizes]
         return UpdateState(
-            bufs=torch.zeros_like(flat),
-            sq=torch.zeros_like(flat) if cfg.update_rule == "adam" else flat.new_zeros(0),
+            moments=flat.new_zeros(2 if cfg.update_rule == "adam" else 1, flat.numel()),
             count=scalar(0.0, (1,)),
             lr=scalar(cfg.eta_update),
             dropped=scalar(0.0, (1,)),
@@ -159,16 +164,18 @@ def flat_update(
         st.bufs.lerp_(grad, ok * (1.0 - mu))  # mu * buf + (1 - mu) * grad, or buf itself when dropped
         st.sq.lerp_(torch.mul(grad, grad, out=step), ok * (1.0 - b2))  # the same for grad^2
         t = st.count.clamp(min=1.0)
-        root_bc2 = torch.sqrt(1.0 - b2**t)
+        # torch.rsub(x, 1.0) and torch.pow(b, x) are 1 - x and b ** x, the same operators without the Python wrappers
+        # of Tensor.__rsub__ and __rpow__ (about 1 us each, every window)
+        root_bc2 = torch.sqrt(torch.rsub(torch.pow(b2, t), 1.0))
         # lr * mult * (buf / bc1) / (sqrt(sq / bc2) + eps), with the bias corrections moved onto scalars
         torch.sqrt(st.sq, out=step).add_(root_bc2 * cfg.adam_eps)
-        torch.div(st.bufs, step, out=step).mul_(st.lr * ok * root_bc2 / (1.0 - mu**t))
+        torch.div(st.bufs, step, out=step).mul_(st.lr * ok * root_bc2 / torch.rsub(torch.pow(mu, t), 1.0))
     if mult is not None:
         step.mul_(mult)
     param.sub_(step)
     # Snap subnormals to 0: a zero-gradient entry's moments decay into them and stick there, slowing every later window
-    flush_subnormals_([st.bufs, st.sq] if st.sq.numel() else [st.bufs])
-    st.dropped.add_(1.0 - ok)
+    flush_subnormals_([st.moments])
+    st.dropped.add_(torch.rsub(ok, 1.0))
     return ok
 
 
@@ -299,9 +306,11 @@ class Updater:
                 "lior_nudge": st.lior_nudge,
                 "spd_last_nudge": st.spd_last_nudge,
                 "R_mean": st.R_mean,
-                "dropped": 1.0 - ok,
+                "dropped": torch.rsub(ok, 1.0),
                 **{
-                    f"update_norm_{g}": self.step_parts[g].norm() if g in self.step_parts else self.count(0)
+                    f"update_norm_{g}": torch.linalg.vector_norm(self.step_parts[g])  # Tensor.norm's kernel
+                    if g in self.step_parts
+                    else self.count(0)
                     for g in GROUPS
                 },
                 # 1 when a parameter is not finite after this update: NaN and inf carry through the sum (so does a sum

@@ -173,6 +173,8 @@ class Workspace:
     # fixed point
     q_hist: Tensor  # (T + 1, R, n) q before every step and after the last
     q_rows: list[Tensor]  # its rows, made once
+    q_before: Tensor  # (T, R, n) q_hist[:-1] and q_hist[1:], views made once (a whole phase's speeds slice nothing)
+    q_after: Tensor
     vel: Tensor  # (T, R, n) the velocity q_{t+1} - q_t of every step
     vel_flat: Tensor  # the same as (T R, n)
     zv_hist: Tensor  # (T, R, n + 1) [v L^T | sqrt(eps)] of every step
@@ -241,6 +243,8 @@ class Workspace:
             spd_rows=list(spd_hist.unbind(0)),
             q_hist=q_hist,
             q_rows=list(q_hist.unbind(0)),
+            q_before=q_hist[:-1],
+            q_after=q_hist[1:],
             vel=vel,
             vel_flat=vel.view(-1, n),
             zv_hist=zv_hist,
@@ -381,6 +385,11 @@ def record_speeds(run: PhaseRun) -> None:
     velocities v_t = q_{t+1} - q_t of these steps into spd_hist, all at once (three operators)."""
     ws, fold, start, end = run.ws, run.fold, run.start, run.start + run.steps
     ws.state.s[-1].copy_(ws.q_rows[end])
+    if start == 0 and end == len(ws.vel):  # the whole phase (a run in chunks reports progress): every buffer whole
+        torch.sub(ws.q_after, ws.q_before, out=ws.vel)
+        torch.addmm(fold.c, ws.vel_flat, fold.lt, out=ws.zv_flat)
+        torch.linalg.vector_norm(ws.zv_hist, dim=2, out=ws.spd_hist)
+        return
     rows = ws.vel.shape[1]
     torch.sub(ws.q_hist[start + 1 : end + 1], ws.q_hist[start:end], out=ws.vel[start:end])
     torch.addmm(fold.c, ws.vel_flat[start * rows : end * rows], fold.lt, out=ws.zv_flat[start * rows : end * rows])
@@ -509,7 +518,7 @@ def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
     torch.addmm(ws.ny, ws.y1, fold.yc2, out=rspd)  # |y|^2 + |yc|^2 + eps - 2 y.yc
     rspd.clamp_(min=0.0).rsqrt_()  # 1 / spd(q - c_k); the clamp guards rounding
     torch.addcdiv(fold.bias, fold.neg_scale, rspd, out=ws.logit)  # bias - beta_r R_sc spd
-    torch.ops.aten._softmax.out(ws.logit, 1, False, out=ws.pi)
+    torch._softmax(ws.logit, 1, False, out=ws.pi)
     if one_hot:
         torch.addcmul(ws.mask_beta, ws.pi, ws.neg_beta, out=ws.w).mul_(rspd)  # beta_col (mask - pi) / spd
     else:

@@ -191,7 +191,7 @@ def readout_weights(q: Tensor, f: ReadoutFrame, target_mask: Tensor, sc: Readout
     sc.spd.add_(sc.col).clamp_(min=0.0).sqrt_()  # cc carries +eps, so spd >= sqrt(eps); the clamp guards rounding
     # pi = softmax(bias - scale * spd); empty slots (bias -inf) get 0. The logits pass through sc.w.
     torch.addcmul(f.bias, sc.spd, f.neg_scale, out=sc.w)
-    torch.ops.aten._softmax.out(sc.w, 1, False, out=sc.pi)
+    torch._softmax(sc.w, 1, False, out=sc.pi)
     torch.mul(sc.pi, target_mask, out=sc.w)
     torch.sum(sc.w, dim=1, keepdim=True, out=sc.py)
     if one_hot:

@@ -161,10 +161,19 @@ class Relaxation:
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
         self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, machine.spec.eps, like)
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
+        self.zero = like.new_zeros(())  # the 0 that `lior` adds its product to
         # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
         nudged = self.ws_nudged.state.s if phases else []
         self.s_plus = self.nudge.plus(nudged, self.s0.s, batch) if phases else []  # none without nudged phases
         self.s_minus = self.nudge.minus(nudged, self.s0.s, batch) if phases else []
+        # What every nudged phase starts from (the free phase's mask, drive, equilibrium and targets), copied in one
+        # operator: each of the stacked workspace's (phases x B, H) buffers seen as `phases` blocks of the batch's rows
+        pairs: list[tuple[Tensor, Tensor]] = []
+        if phases:
+            pairs = [(self.ws_nudged.target_mask, self.ws.target_mask), (self.ws_nudged.drive, self.ws.drive)]
+            pairs += zip(self.ws_nudged.state.tensors(), self.s0.tensors(), strict=True)
+            pairs += [(self.ws_nudged.target, self.ws.target)] if self.targets else []
+        self.nudged_start = ([dst.view(phases, batch, -1) for dst, _ in pairs], [src for _, src in pairs])
         # Observability hooks (trainer2.monitor.telemetry): a timed/labelled context per phase, and progress
         # inside a window, on_steps(phase, step, steps, spd_last, lior), every progress_every steps.
         self.phase: Callable[[str], AbstractContextManager[None]] = lambda name: nullcontext()
@@ -212,12 +221,7 @@ class Relaxation:
         """Relax T_nudge steps from s0 on E + beta * loss (force blocks) or with q clamped (clamp blocks), every nudged
         phase at once (stacked rows)."""
         ws, k = self.ws_nudged, self.nudge.phases
-        ws.target_mask.view(k, self.batch, -1).copy_(self.ws.target_mask)
-        ws.drive.view(k, self.batch, -1).copy_(self.ws.drive)
-        for dst, src in zip(ws.state.tensors(), self.s0.tensors(), strict=True):
-            dst.view(k, self.batch, -1).copy_(src)
-        if self.targets:
-            ws.target.view(k, self.batch, -1).copy_(self.ws.target)
+        torch._foreach_copy_(*self.nudged_start)
         if self.nudge.clamp:
             clamp_output(ws)
         else:
@@ -248,8 +252,9 @@ class Relaxation:
         return {"lior_nudge": self.nudged_lior(), "spd_last_nudge": self.ws_nudged.spd_rows[-1].mean()}
 
     def lior(self, spd_mean: Tensor, steps: int) -> Tensor:
-        """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean."""
-        return torch.mul(self.m.readout.r_sc, self.cfg.dt * steps).mul_(spd_mean)
+        """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean:
+        0 + (dt steps R_sc) spd_mean, the same rounding as the two products, in one operator."""
+        return torch.addcmul(self.zero, self.m.readout.r_sc, spd_mean, value=self.cfg.dt * steps)
 
     def run(
         self,

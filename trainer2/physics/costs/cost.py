@@ -109,6 +109,6 @@ def distance_scores(
     torch.addmm(f.half_sq, q, f.cand.coords.T, out=sc.w)
     if scale is not None:
         sc.w.mul_(scale)
-    torch.ops.aten._softmax.out(sc.w, 1, False, out=sc.pi)
+    torch._softmax(sc.w, 1, False, out=sc.pi)
     loss = torch.logsumexp(sc.w, 1).sub_(torch.mul(sc.w, mask).sum(1))
     return loss, sc.pi.clone()  # sc is overwritten by the next readout

@@ -46,7 +46,7 @@ class CrossEntropy:
     def force(q: Tensor, f: CostFrame, mask: Tensor, target: Tensor, sc: ReadoutScratch, out: Tensor) -> Tensor:
         """dloss/dq = R (p C - c_y): logits, softmax and one product (six operators, no allocation)."""
         torch.addmm(f.half_sq, q, f.cand.coords.T, out=sc.w).mul_(f.params.r_sc)
-        torch.ops.aten._softmax.out(sc.w, 1, False, out=sc.pi)
+        torch._softmax(sc.w, 1, False, out=sc.pi)
         return torch.mm(sc.pi, f.cand.coords, out=out).sub_(target).mul_(f.params.r_sc)
 
     target = staticmethod(prototype_target)
