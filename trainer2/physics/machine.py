@@ -143,7 +143,8 @@ class Machine:
         """The clamped input x (B, D): concatenated context embeddings, or the features themselves."""
         if self.emb is None:
             return inputs.to(self.readout.protos.dtype)  # feature files load as float32; the machine may be float64
-        return self.emb[inputs].flatten(1)
+        # index_select, not emb[inputs]: the same rows without advanced indexing's overhead (half the time a window)
+        return torch.index_select(self.emb, 0, inputs.reshape(-1)).view(inputs.shape[0], -1)
 
     def prototype_candidates(self) -> Candidates:
         """The prototypes as retrieval candidates, one per class."""

@@ -107,7 +107,7 @@ def rotor_angle_grad(c: Tensor, suffix: Tensor, layout: RotorLayout) -> Tensor:
     = <d loss / d R, S_l J S_l^T R> = K_l[b, a] with K_l = S_l^T (C - C^T) S_l: two products for all planes.
     """
     k = suffix.mT @ (c - c.T) @ suffix  # (L + 1, n, n); K_L (no planes) is never read
-    return k.reshape(-1)[layout.index[3]]  # the (b, a) entry of every plane
+    return torch.take(k, layout.index[3])  # the (b, a) entry of every plane (k seen flat)
 
 
 @dataclass
