@@ -90,7 +90,7 @@ def rotor_suffixes(layers: Tensor) -> Tensor:
     """S (L + 1, n, n), S_l = G_{L-1} ... G_l: the rotor from layer l on, from the layers (L, n, n);
     S_0 = R, S_L = I."""
     out = [torch.eye(layers.shape[1], dtype=layers.dtype, device=layers.device)]
-    for g in layers.flip(0):
+    for g in reversed(layers.unbind(0)):  # G_{L-1} first, without flip's copy
         out.append(out[-1] @ g)
     return torch.stack(out[::-1])
 
