@@ -91,8 +91,10 @@ class UpdateState:
     learning rate (0-dim, on the device so a schedule never breaks a captured graph), the dropped-update count, and
     the power-iteration vectors of the spectral caps."""
 
-    # (2, P) Adam's first and second moments, or (1, P) the heavy-ball buffer: one tensor, so one pass flushes both
+    # (2, P') Adam's first and second moments, or (1, P') the heavy-ball buffer, in rows of P' >= P numbers: one tensor,
+    # so one pass flushes both; P' a multiple of 16 keeps the second row 64-byte aligned (vector loads on a GPU)
     moments: Tensor
+    params: int  # P
     # The counts the step adds to are (1,), not 0-dim: torch.compile (AOT, torch 2.13) drops an in-place update of a
     # 0-dim CPU tensor, so a compiled run's count stayed 0 (Adam's bias correction frozen at its first step).
     # Checkpoints keep them 0-dim (tensors() gives 0-dim views), as before.
@@ -100,12 +102,12 @@ class UpdateState:
     lr: Tensor  # 0-dim; only read inside the step
     dropped: Tensor  # (1,)
     power_vecs: list[Tensor]
-    bufs: Tensor = field(init=False)  # (P,) moments[0]: the momentum buffer, Adam's first moment
-    sq: Tensor = field(init=False)  # (P,) moments[1]: Adam's second moments; (0,) for heavy-ball
+    bufs: Tensor = field(init=False)  # (P,) moments[0, :P]: the momentum buffer, Adam's first moment
+    sq: Tensor = field(init=False)  # (P,) moments[1, :P]: Adam's second moments; (0,) for heavy-ball
 
     def __post_init__(self) -> None:
-        self.bufs = self.moments[0]
-        self.sq = self.moments[1] if len(self.moments) > 1 else self.moments.new_zeros(0)
+        self.bufs = self.moments[0, : self.params]
+        self.sq = self.moments[1, : self.params] if len(self.moments) > 1 else self.moments.new_zeros(0)
 
     @staticmethod
     def allocate(flat: Tensor, power_sizes: list[int], cfg: UpdateConfig) -> "UpdateState":
@@ -114,7 +116,8 @@ class UpdateState:
 
         ones = [torch.ones(h, dtype=flat.dtype, device=flat.device) for h in power_sizes]
         return UpdateState(
-            moments=flat.new_zeros(2 if cfg.update_rule == "adam" else 1, flat.numel()),
+            moments=flat.new_zeros(2 if cfg.update_rule == "adam" else 1, -(-flat.numel() // 16) * 16),
+            params=flat.numel(),
             count=scalar(0.0, (1,)),
             lr=scalar(cfg.eta_update),
             dropped=scalar(0.0, (1,)),

@@ -161,7 +161,6 @@ class Relaxation:
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
         self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, machine.spec.eps, like)
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
-        self.zero = like.new_zeros(())  # the 0 that `lior` adds its product to
         # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
         nudged = self.ws_nudged.state.s if phases else []
         self.s_plus = self.nudge.plus(nudged, self.s0.s, batch) if phases else []  # none without nudged phases
@@ -252,9 +251,9 @@ class Relaxation:
         return {"lior_nudge": self.nudged_lior(), "spd_last_nudge": self.ws_nudged.spd_rows[-1].mean()}
 
     def lior(self, spd_mean: Tensor, steps: int) -> Tensor:
-        """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean:
-        0 + (dt steps R_sc) spd_mean, the same rounding as the two products, in one operator."""
-        return torch.addcmul(self.zero, self.m.readout.r_sc, spd_mean, value=self.cfg.dt * steps)
+        """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean. Two
+        products, not one addcmul: CUDA's and Inductor's addcmul multiply in another order (other bits)."""
+        return torch.mul(self.m.readout.r_sc, self.cfg.dt * steps).mul_(spd_mean)
 
     def run(
         self,
