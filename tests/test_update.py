@@ -13,8 +13,8 @@ from trainer2.learning.update import UpdateState, flat_update
 
 def make_state(flat, rule: str) -> UpdateState:
     return UpdateState(
-        moments=flat.new_zeros(2 if rule == "adam" else 1, flat.numel() + 3),  # rows longer than P, as allocate pads
-        params=flat.numel(),
+        bufs=torch.zeros_like(flat),
+        sq=torch.zeros_like(flat) if rule == "adam" else flat.new_zeros(0),
         count=torch.zeros((), dtype=torch.float64),
         lr=torch.tensor(0.05, dtype=torch.float64),
         dropped=torch.zeros((), dtype=torch.float64),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
@@ -91,10 +91,10 @@ class UpdateState:
     learning rate (0-dim, on the device so a schedule never breaks a captured graph), the dropped-update count, and
     the power-iteration vectors of the spectral caps."""
 
-    # (2, P') Adam's first and second moments, or (1, P') the heavy-ball buffer, in rows of P' >= P numbers: one tensor,
-    # so one pass flushes both; P' a multiple of 16 keeps the second row 64-byte aligned (vector loads on a GPU)
-    moments: Tensor
-    params: int  # P
+    # Two buffers, not two rows of one: Inductor on CUDA (torch 2.11, an H200) compiled in-place writes through both
+    # rows and then a flush of their base into a wrong step (second moments lost); separate buffers compile right
+    bufs: Tensor  # (P,) the momentum buffer, Adam's first moment
+    sq: Tensor  # (P,) Adam's second moments; (0,) for heavy-ball
     # The counts the step adds to are (1,), not 0-dim: torch.compile (AOT, torch 2.13) drops an in-place update of a
     # 0-dim CPU tensor, so a compiled run's count stayed 0 (Adam's bias correction frozen at its first step).
     # Checkpoints keep them 0-dim (tensors() gives 0-dim views), as before.
@@ -102,12 +102,6 @@ class UpdateState:
     lr: Tensor  # 0-dim; only read inside the step
     dropped: Tensor  # (1,)
     power_vecs: list[Tensor]
-    bufs: Tensor = field(init=False)  # (P,) moments[0, :P]: the momentum buffer, Adam's first moment
-    sq: Tensor = field(init=False)  # (P,) moments[1, :P]: Adam's second moments; (0,) for heavy-ball
-
-    def __post_init__(self) -> None:
-        self.bufs = self.moments[0, : self.params]
-        self.sq = self.moments[1, : self.params] if len(self.moments) > 1 else self.moments.new_zeros(0)
 
     @staticmethod
     def allocate(flat: Tensor, power_sizes: list[int], cfg: UpdateConfig) -> "UpdateState":
@@ -116,8 +110,8 @@ class UpdateState:
 
         ones = [torch.ones(h, dtype=flat.dtype, device=flat.device) for h in power_sizes]
         return UpdateState(
-            moments=flat.new_zeros(2 if cfg.update_rule == "adam" else 1, -(-flat.numel() // 16) * 16),
-            params=flat.numel(),
+            bufs=torch.zeros_like(flat),
+            sq=torch.zeros_like(flat) if cfg.update_rule == "adam" else flat.new_zeros(0),
             count=scalar(0.0, (1,)),
             lr=scalar(cfg.eta_update),
             dropped=scalar(0.0, (1,)),
@@ -177,7 +171,7 @@ def flat_update(
         step.mul_(mult)
     param.sub_(step)
     # Snap subnormals to 0: a zero-gradient entry's moments decay into them and stick there, slowing every later window
-    flush_subnormals_([st.moments])
+    flush_subnormals_([st.bufs, st.sq] if st.sq.numel() else [st.bufs])
     st.dropped.add_(torch.rsub(ok, 1.0))
     return ok
 
