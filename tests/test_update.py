@@ -64,3 +64,13 @@ def test_non_finite_gradient_drops_the_whole_update_and_counts_it(rule):
     for a, b in zip((flat, st.bufs, st.sq, st.count), before):
         assert torch.equal(a, b)  # nothing half-applied: not even the finite elements moved
     assert not step.any()  # the reported step is zero
+
+
+def test_adams_moments_are_two_buffers_not_views_of_one():
+    """Adam's moments written in place through two rows of one buffer, then flushed through the base, compiled by
+    Inductor on CUDA into a wrong step (seen on an H200, 8df7a94); the CPU compiles it right, so this guards it."""
+    cfg = tiny_config(update_rule="adam")
+    st = UpdateState.allocate(torch.zeros(37, dtype=torch.float64), [], cfg)
+    assert st.bufs.shape == st.sq.shape == (37,)
+    assert st.bufs.untyped_storage().data_ptr() != st.sq.untyped_storage().data_ptr()
+    assert st.bufs._base is None and st.sq._base is None
