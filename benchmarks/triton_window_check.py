@@ -17,6 +17,7 @@ from trainer2.data.load import load_dataset
 from trainer2.flags import add_config_flags, resolve_config
 from trainer2.physics.machine import build_machine
 from trainer2.physics.memory import MemoryBank
+from trainer2.physics.readout import ReadoutResult
 from trainer2.physics.relaxation import Relaxation
 from trainer2.running.parts import resolve_device
 
@@ -48,6 +49,8 @@ def check(cfg, batch: int, device: torch.device) -> dict[str, float]:
     x, y = inputs.to(device), targets.to(device)
     errors = {}
     frees = {k: r.free_phase(x, y) for k, r in relax.items()}
+    if tri.readout_kernel is not None:  # the readout's loss and gradients at the free equilibrium, in one launch
+        errors.update(readout_errors(tri.readout_grads(frees["triton"]), ref.readout_grads(frees["torch"])))
     for phase in ("free", "nudged"):
         if phase == "nudged":
             for k, r in relax.items():
@@ -60,6 +63,18 @@ def check(cfg, batch: int, device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         errors.update(graph_replay(tri, frees["triton"]))
     return errors
+
+
+def readout_errors(got: ReadoutResult, want: ReadoutResult) -> dict[str, float]:
+    """The readout kernel's loss, probabilities and gradients against the torch operators'. Each gradient's error is
+    relative to the largest readout gradient: at theta = 0 the angles' gradient is rounding noise (about 1e-16)."""
+    out = {"readout loss": relative(got.loss, want.loss), "readout probs": relative(got.probs, want.probs)}
+    names = ("g_diag", "theta", "protos", "r_sc")
+    scale = max(float(getattr(want.grads, k).abs().max()) for k in names)
+    for k in names:
+        a, b = getattr(got.grads, k), getattr(want.grads, k)
+        out[f"readout grad {k}"] = float((a - b).abs().max()) / max(scale, 1e-30)
+    return out
 
 
 def graph_replay(relax: Relaxation, free) -> dict[str, float]:
@@ -86,7 +101,22 @@ def graph_replay(relax: Relaxation, free) -> dict[str, float]:
         graph.replay()
         torch.cuda.synchronize()
         out[f"{name} graph replay"] = max(relative(a, b) for a, b in zip([*ws.state.s, ws.spd_hist], eager))
+    if relax.readout_kernel is not None:  # the readout kernel captured and replayed at the free equilibrium
+        eager = [t.clone() for t in readout_tensors(relax.readout_grads(free))]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res = relax.readout_grads(free)
+        for t in readout_tensors(res):
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        out["readout graph replay"] = max(relative(a, b) for a, b in zip(readout_tensors(res), eager))
     return out
+
+
+def readout_tensors(res: ReadoutResult) -> list[torch.Tensor]:
+    g = res.grads
+    return [res.loss, res.probs, g.g_diag, g.theta, g.protos, g.r_sc]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -196,6 +196,7 @@ def test_a_training_run_with_triton_matches_torch(tmp_path, small_text):
     (tri, tri_summary), (ref, ref_summary) = runs["triton"], runs["torch"]
     assert tri_summary["window_backend"] == "triton" and ref_summary["window_backend"] == "torch"
     assert tri.relaxation.steps_fn.launches == 2 * 100
+    assert tri.relaxation.readout_kernel.launches == 100 and ref.relaxation.readout_kernel is None  # readout_grads.py
     # Each window agrees to rounding (1e-16); 100 Adam steps magnify that where a gradient is near zero (Adam divides by
     # its size), to about 1e-6 of the largest parameter here. A wrong window is off by about the learning rate (1e-2).
     assert_near(tri.machine.flat, ref.machine.flat, 1e-5, "parameters after 100 windows")
@@ -211,7 +212,7 @@ def test_the_triton_ep_gradient_is_the_exact_gradient():
     with torch.no_grad():
         ep = ep_gradients(tri, inputs, targets)
         ex = exact_gradients(Relaxation(m, cfg, cfg.batch_size), inputs, targets)
-    assert tri.steps_fn.launches == 2
+    assert tri.steps_fn.launches == 2 and tri.readout_kernel.launches == 1
     for name, g in ex.grads.items():
         assert cosine(g, ep.grads[name]) > 0.999, name
 
@@ -242,7 +243,7 @@ def test_the_device_check_script_passes_in_the_interpreter(capsys):
         ]
     )
     out = capsys.readouterr().out
-    assert code == 0 and "nudged spd" in out and "PASS" in out
+    assert code == 0 and "nudged spd" in out and "readout grad protos" in out and "PASS" in out
 
 
 @pytest.mark.cuda
@@ -312,8 +313,9 @@ def test_bench_times_the_triton_window_as_a_mode(small_text, monkeypatch):
     # the triton mode's 5 warm-up (warmup_steps 3 + 2), 2 timed and 1 profiled windows; none from eager or the
     # phase table
     assert len(spy.grids) == 5 + 2 + 1
-    # the window's 2 launches, the fused update's 2 and the cap of the one dense coupling between state layers
-    assert tri.triton_per_batch == 5 and eager.triton_per_batch == 0
+    # the window's 2 launches, the readout's loss and gradients, the fused update's 2 and the cap of the one dense
+    # coupling between state layers
+    assert tri.triton_per_batch == 6 and eager.triton_per_batch == 0
     assert graph.note == "n/a (CUDA graphs need a CUDA device)" and "triton+graph" in table
 
 

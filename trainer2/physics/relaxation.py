@@ -32,7 +32,7 @@ from trainer2.physics.dynamics import (
     staged_layers,
 )
 from trainer2.physics.energy import Energy, input_drive
-from trainer2.physics.kernels.backend import choose_backend, make_phase_function, nudge_blocker
+from trainer2.physics.kernels.backend import choose_backend, make_phase_function, nudge_blocker, readout_kernel
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.nudge import NudgeScheme
@@ -145,6 +145,11 @@ class Relaxation:
             cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds, served
         )
         self.steps_fn = make_phase_function(self.backend, self.integ)
+        # With the Triton window, the retrieval readout's loss and gradients in one launch too (where it fits)
+        counts = (batch, sizes[-1], num_cand, machine.num_classes)
+        self.readout_kernel = readout_kernel(
+            self.backend, cfg.window_backend, self.cost.kind, counts, machine.spec.retrieval_beta, like
+        )
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
         self.targets = self.cost.uses_target or self.nudge.clamp  # each batch forms c_y per row (not the default)
         fixed, phases = self.integ.fixed_point, self.nudge.phases
@@ -324,7 +329,9 @@ class Relaxation:
         return self.cost.scores(self.s0.s[-1], free.cost, self.ws.target_mask, self.ws.readout)
 
     def readout_grads(self, free: FreeState) -> ReadoutResult:
-        """Loss, probabilities and the readout's exact gradients (batch means) at s0, by the cost."""
+        """Loss, probabilities and the readout's exact gradients (batch means) at s0, by the cost (or its kernel)."""
+        if self.readout_kernel is not None:
+            return self.readout_kernel(self.s0.s[-1], free.cost, self.ws.target_mask)
         return self.cost.loss_and_grads(self.s0.s[-1], free.cost, self.ws.target_mask, self.ws.readout)
 
     @torch.no_grad()

@@ -166,7 +166,8 @@ def triton_launches(step: BatchStep) -> int:
     """Triton launches the step's window and update have made so far (their counters; 0 for the torch backends)."""
     fused = step.updater.fused
     caps = sum(getattr(cap, "launches", 0) for cap in step.updater.caps)  # the Triton update's dense caps
-    return getattr(step.relax.steps_fn, "launches", 0) + (0 if fused is None else fused.launches) + caps
+    readout = 0 if step.relax.readout_kernel is None else step.relax.readout_kernel.launches
+    return getattr(step.relax.steps_fn, "launches", 0) + (0 if fused is None else fused.launches) + caps + readout
 
 
 def make_step(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device) -> BatchStep:

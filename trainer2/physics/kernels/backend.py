@@ -28,6 +28,9 @@ MAX_DEPTH = 3
 # (production) the windows/s of graph (docs/performance.md): auto takes them on a CUDA device where the shapes fit.
 AUTO_TAKES_TRITON = True
 AUTO_TAKES_TRITON_UPDATE = True
+# The readout's loss and gradients in one launch (kernels/readout_grads.py) equal the torch operators in the
+# interpreter, but have not yet run compiled on a GPU: --window_backend triton takes them, auto not yet.
+AUTO_TAKES_TRITON_READOUT = False
 # Triton stages each tl.dot's operands through shared memory, and the kernels' dots take whole layers: the largest
 # pair (BLOCK_ROWS rows of state and a coupling tile, padded) has to fit the GPU's shared memory per block. The slack
 # covers the kernel's other buffers: on an H200 the deep preset's 1024 x 32 float32 pair (192 KiB) asked for 234 KiB,
@@ -191,6 +194,21 @@ def choose_backend(
             return Backend("torch", "auto: AUTO_TAKES_TRITON is off; --window_backend triton runs the kernels")
         blocker = f"{tight}; --window_backend triton runs it anyway, its registers may spill"
     return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
+
+
+def readout_kernel(window: Backend, requested: str, cost: str, sizes: tuple[int, int, int, int], beta_r: float, like):
+    """The Triton readout gradients (kernels/readout_grads.py) for a window run by `window` (`requested`: the
+    --window_backend asked for), this cost and sizes (batch, coordinates, candidates, classes), or None where the torch
+    operators stay: the window is torch, the cost is not the retrieval readout, the readout does not fit one program,
+    or auto does not take it yet (AUTO_TAKES_TRITON_READOUT). Imports triton only when the window's kernels run."""
+    if window.name != "triton" or cost != "retrieval" or not (requested == "triton" or AUTO_TAKES_TRITON_READOUT):
+        return None
+    from trainer2.physics.kernels import readout_grads
+
+    batch, coordinates, candidates, classes = sizes
+    if not readout_grads.fits(coordinates, candidates):
+        return None
+    return readout_grads.ReadoutGrads(batch, coordinates, candidates, classes, beta_r, like)
 
 
 def choose_update_backend(requested: str, device: torch.device, dtype: torch.dtype) -> Backend:

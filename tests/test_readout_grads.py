@@ -1,0 +1,96 @@
+"""The retrieval readout's loss and gradients in one Triton launch (trainer2/physics/kernels/readout_grads.py) against
+its torch reference, readout_loss_and_grads, in Triton's interpreter on CPU tensors; and proof that the Triton window
+takes it where it fits.
+
+Needs triton and numpy (pip install -e '.[kernels]') and TRITON_INTERPRET=1, which tests/conftest.py sets before
+anything imports triton; skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import require_interpreted_triton
+
+require_interpreted_triton("the readout kernel")
+
+from tiny import tiny_config, tiny_machine  # noqa: E402
+
+from trainer2.physics.costs.retrieval import Retrieval  # noqa: E402
+from trainer2.physics.kernels import readout_grads  # noqa: E402
+from trainer2.physics.kernels.backend import AUTO_TAKES_TRITON_READOUT, Backend, readout_kernel  # noqa: E402
+from trainer2.physics.memory import MemoryBank  # noqa: E402
+from trainer2.physics.readout import ReadoutScratch, readout_frame, target_mask  # noqa: E402
+
+TOL = {torch.float32: 3e-5, torch.float64: 1e-12}
+# (batch, coordinates, classes, memory slots, filled slots): one block and a ragged second, odd sizes, a memory bank
+# with empty slots (bias -inf), more than 16 classes
+CASES = [(5, 4, 7, 0, 0), (37, 16, 20, 0, 0), (16, 3, 7, 24, 17), (21, 8, 11, 40, 40)]
+
+
+def readout(case: tuple[int, int, int, int, int], dtype: torch.dtype):
+    """q (B, n), the batch's cost frame, targets and target mask for a tiny machine (and memory bank) of these sizes."""
+    batch, n, classes, slots, filled = case
+    cfg = tiny_config(coord_dim_n=n, batch_size=batch, memory_capacity=slots, dtype=str(dtype).split(".")[1])
+    m = tiny_machine(cfg, classes)
+    gen = torch.Generator().manual_seed(sum(case))
+    with torch.no_grad():
+        m.readout.protos.copy_(torch.randn(m.readout.protos.shape, generator=gen, dtype=torch.float64))
+        m.readout.r_sc.fill_(2.5)
+    cand = m.prototype_candidates()
+    if slots:
+        bank = MemoryBank.allocate(slots, n, batch, m.readout.protos)
+        for start in range(0, filled, batch):  # fills slots [0, filled) with labelled random points
+            rows = min(batch, filled - start)
+            bank.offsets = torch.arange(rows)
+            bank.write(torch.randn(rows, n, generator=gen, dtype=dtype), torch.randint(0, classes, (rows,)))
+        cand = bank.candidates(cand)
+    q = torch.randn(batch, n, generator=gen, dtype=torch.float64).to(dtype)
+    targets = torch.randint(0, classes, (batch,), generator=gen)
+    frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
+    cost = Retrieval.frame(m.readout, frame, cand, classes, m.layout, one_hot=slots == 0)
+    return q, cost, target_mask(cand.labels, targets, dtype), cfg.retrieval_beta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("case", CASES, ids=[f"B{b}-n{n}-V{v}-mem{s}" for b, n, v, s, _ in CASES])
+def test_the_kernel_equals_readout_loss_and_grads(case, dtype):
+    """Loss, probabilities and every readout gradient as the torch operators give them, to rounding; twice in a row
+    (the kernel's buffers are reused), the second time at other coordinates."""
+    q, cost, mask, beta_r = readout(case, dtype)
+    batch, n, classes = q.shape[0], q.shape[1], cost.num_classes
+    kernel = readout_grads.ReadoutGrads(batch, n, cost.cand.coords.shape[0], classes, beta_r, q)
+    for q_now in (q, q.flip(0) * 0.7):
+        sc = ReadoutScratch.allocate(batch, n, cost.cand.coords.shape[0], q)
+        ref = Retrieval.loss_and_grads(q_now, cost, mask, sc)
+        got = kernel(q_now.contiguous(), cost, mask)
+        pairs = {
+            "loss": (got.loss, ref.loss),
+            "probs": (got.probs, ref.probs),
+            "g_diag": (got.grads.g_diag, ref.grads.g_diag),
+            "theta": (got.grads.theta, ref.grads.theta),
+            "protos": (got.grads.protos, ref.grads.protos),
+            "r_sc": (got.grads.r_sc, ref.grads.r_sc),
+        }
+        for name, (a, b) in pairs.items():
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            scale = max(float(b.abs().max()), 1e-3)
+            assert float((a - b).abs().max()) <= TOL[dtype] * scale, (name, float((a - b).abs().max()), scale)
+        assert float(ref.grads.protos.abs().max()) > 1e-4 and float(ref.grads.theta.abs().max()) > 1e-4  # not vacuous
+    assert kernel.launches == 2
+
+
+def test_fits_bounds_the_candidates_tile():
+    assert readout_grads.fits(16, 256) and readout_grads.fits(64, 128) and readout_grads.fits(3, 7)
+    assert not readout_grads.fits(64, 256) and not readout_grads.fits(16, 1024)
+
+
+def test_the_triton_window_takes_it_where_asked_and_it_fits():
+    """--window_backend triton with the retrieval cost: the kernel; auto (until a GPU has run it), another cost, the
+    torch window, or candidates past one program's registers: the torch operators."""
+    like, tri = torch.zeros(1, dtype=torch.float64), Backend("triton", "requested")
+    sizes = (8, 16, 24, 24)
+    assert isinstance(readout_kernel(tri, "triton", "retrieval", sizes, 1.0, like), readout_grads.ReadoutGrads)
+    assert AUTO_TAKES_TRITON_READOUT or readout_kernel(tri, "auto", "retrieval", sizes, 1.0, like) is None
+    assert readout_kernel(tri, "triton", "mse", sizes, 1.0, like) is None
+    assert readout_kernel(Backend("torch", "requested"), "triton", "retrieval", sizes, 1.0, like) is None
+    assert readout_kernel(tri, "triton", "retrieval", (8, 16, 1024, 24), 1.0, like) is None

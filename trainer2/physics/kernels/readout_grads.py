@@ -1,0 +1,155 @@
+"""The retrieval readout's loss, class probabilities and exact gradients at the free equilibrium in one Triton launch:
+what `readout_loss_and_grads` does in about 40 torch operators (distances under the metric, the softmax over the
+candidates, p_y, the weights w, and the sums U, V and cov every gradient follows from). One program walks the batch
+in blocks of 16 rows and keeps the candidates (K, n) and the sums in registers, which serves the presets' readouts
+(n 16 to 64 coordinates, up to 256 candidates: `fits`); the rotor's angle gradient, a few products over its planes,
+stays in torch (`rotor_angle_grad`).
+
+Its torch reference is trainer2.physics.readout.readout_loss_and_grads; tests/test_readout_grads.py compares the two.
+The sums run in another order than torch's products, so the two agree to rounding, not bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from trainer2.physics.costs.cost import CostFrame
+from trainer2.physics.kernels.chain import div_ieee, load_rows, load_tile, load_vec, mm, padded, sqrt_ieee
+from trainer2.physics.readout import ReadoutParams, ReadoutResult, rotor_angle_grad
+
+MAX_HELD = 8192  # numbers of the candidates' padded (K, n) tile: it and the (K, n) sum V stay in registers
+BLOCK_B = 16  # batch rows a block: tl.dot's smallest
+
+
+def fits(coordinates: int, candidates: int) -> bool:
+    """Whether one program holds the readout of `candidates` (K) points in `coordinates` (n) dimensions."""
+    return padded(coordinates) * padded(candidates) <= MAX_HELD
+
+
+@triton.jit
+def readout_grads_kernel(
+    q_ptr,  # (B, n) the free equilibrium's coordinates
+    rot_ptr,  # (n, n) R
+    g_ptr,  # (n,) the metric's diagonal
+    zc_ptr,  # (K, n) R c_k
+    cc_ptr,  # (K,) g(c_k, c_k) + eps
+    bias_ptr,  # (K,) 0, or -inf for an empty slot
+    labels_ptr,  # (K,) each candidate's class
+    mask_ptr,  # (B, K) 1 where candidate k carries example b's label
+    r_sc_ptr,  # 0-dim R_sc
+    consts_ptr,  # (2,) beta_r and B in the readout's dtype (a float argument would be float32)
+    loss_ptr,  # (B,) out: -log p_y
+    probs_ptr,  # (B, V) out: class probabilities
+    grad_g_ptr,  # (n,) out
+    gcov_ptr,  # (n, n) out: R_sc g_i cov_ij, what the rotor's angle gradient reads
+    grad_protos_ptr,  # (V, n) out
+    grad_r_ptr,  # (1,) out
+    B,
+    N,
+    K,
+    V,
+    ONE_HOT: tl.constexpr,
+    BB: tl.constexpr,
+    NP: tl.constexpr,
+    KP: tl.constexpr,
+    VP: tl.constexpr,
+):
+    """readout_loss_and_grads over every block of BB rows, the batch-mean sums carried from block to block."""
+    kk, nn, vv = tl.arange(0, KP), tl.arange(0, NP), tl.arange(0, VP)
+    rot = load_tile(rot_ptr, N, N, N, NP, NP)
+    g = load_vec(g_ptr, N, NP)
+    zc = load_tile(zc_ptr, N, K, N, KP, NP)
+    cc = load_vec(cc_ptr, K, KP)
+    bias = tl.load(bias_ptr + kk, mask=kk < K, other=float("-inf"))  # padded candidates: softmax weight 0
+    labels = tl.load(labels_ptr + kk, mask=kk < K, other=-1)
+    r_sc = tl.load(r_sc_ptr)
+    beta_r = tl.load(consts_ptr)
+    batch = tl.load(consts_ptr + 1)
+    neg_scale = -beta_r * r_sc  # as readout_frame rounds it
+    gzc_t = tl.trans(zc * g[None, :])  # (NP, KP)
+    v_sum = tl.zeros((KP, NP), dtype=zc.dtype)  # V = -sum_b w_bk z_bk, without zc's share until the end
+    w_col = tl.zeros((KP,), dtype=zc.dtype)  # sum_b w_bk
+    zu = tl.zeros((NP, NP), dtype=zc.dtype)  # sum_b zq_b^T U_b
+    grad_r = tl.sum(tl.zeros((KP,), dtype=zc.dtype), axis=0)
+    for start in range(0, B, BB):
+        rows = start + tl.arange(0, BB)
+        live = (rows[:, None] < B) & (kk[None, :] < K)  # (BB, KP)
+        zq = mm(load_rows(q_ptr, rows, B, N, NP), tl.trans(rot))  # (BB, NP) R q
+        d2 = cc[None, :] - 2.0 * mm(zq, gzc_t) + tl.sum(zq * g[None, :] * zq, axis=1)[:, None]
+        spd = sqrt_ieee(tl.maximum(d2, 0.0))  # cc carries +eps: spd >= sqrt(eps) on the live candidates
+        logit = bias[None, :] + neg_scale * spd
+        e = tl.exp(logit - tl.max(logit, axis=1)[:, None])
+        pi = div_ieee(e, tl.broadcast_to(tl.sum(e, axis=1)[:, None], e.shape))
+        mask = tl.load(mask_ptr + rows[:, None] * K + kk[None, :], mask=live, other=0.0)
+        p_y = tl.sum(pi * mask, axis=1)
+        p_y = tl.where(rows < B, p_y, 1.0)  # padded rows: no 0 / 0 or log 0
+        if ONE_HOT:
+            w = mask - pi
+        else:
+            w = div_ieee(pi * mask, tl.broadcast_to(p_y[:, None], pi.shape)) - pi
+        w = div_ieee(div_ieee(w * beta_r, tl.where(live, spd, 1.0)), batch)  # the batch mean's share
+        w = tl.where(live, w, 0.0)  # padded rows and candidates add nothing
+        tl.store(loss_ptr + rows, -tl.log(p_y), mask=rows < B)
+        if ONE_HOT:  # the candidates are the V prototypes in label order
+            tl.store(probs_ptr + rows[:, None] * V + kk[None, :], pi, mask=(rows[:, None] < B) & (kk[None, :] < V))
+        else:  # p_v sums the weights of every candidate labelled v
+            hit = tl.where(labels[:, None] == vv[None, :], 1.0, 0.0).to(pi.dtype)  # (KP, VP)
+            probs = mm(pi, hit)
+            tl.store(probs_ptr + rows[:, None] * V + vv[None, :], probs, mask=(rows[:, None] < B) & (vv[None, :] < V))
+        w_row = tl.sum(w, axis=1)  # (BB,)
+        u = zq * w_row[:, None] - mm(w, zc)  # U = sum_k w_bk (zq_b - zc_k)
+        w_col += tl.sum(w, axis=0)
+        v_sum -= mm(tl.trans(w), zq)
+        zu += mm(tl.trans(zq), u)
+        grad_r += tl.sum(tl.sum(w * spd * spd, axis=1), axis=0)
+    v = zc * w_col[:, None] + v_sum  # (KP, NP): V = sum_b w_bk (zc_k - zq_b)
+    cov = zu + mm(tl.trans(zc), v)  # (NP, NP)
+    gr = g * r_sc
+    grad_protos = mm(v * gr[None, :], rot)  # dloss/dc_k = -R^T (R_sc g sum_b w_bk z_bk)
+    tl.store(grad_protos_ptr + kk[:, None] * N + nn[None, :], grad_protos, mask=(kk[:, None] < V) & (nn[None, :] < N))
+    diag = tl.sum(tl.where(nn[:, None] == nn[None, :], cov, 0.0), axis=1)
+    tl.store(grad_g_ptr + nn, diag * r_sc * 0.5, mask=nn < N)
+    tl.store(gcov_ptr + nn[:, None] * N + nn[None, :], gr[:, None] * cov, mask=(nn[:, None] < N) & (nn[None, :] < N))
+    tl.store(grad_r_ptr, grad_r)
+
+
+class ReadoutGrads:
+    """The retrieval readout's `loss_and_grads` for a batch of B rows, n coordinates and K candidates of V classes, in
+    one launch plus the rotor's angle gradient; its outputs live in buffers made once (each call overwrites them).
+    `launches` counts the launches (a Python int), as the other kernels' wrappers do."""
+
+    def __init__(
+        self, batch: int, coordinates: int, candidates: int, num_classes: int, beta_r: float, like: Tensor
+    ) -> None:
+        def new(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+        self.sizes = (batch, coordinates, candidates, num_classes)
+        self.consts = torch.tensor([beta_r, batch], dtype=like.dtype, device=like.device)
+        self.loss, self.probs, self.grad_r = new(batch), new(batch, num_classes), new()
+        self.grad_g, self.gcov, self.grad_protos = (
+            new(coordinates),
+            new(coordinates, coordinates),
+            new(num_classes, coordinates),
+        )
+        self.blocks = (padded(coordinates), padded(candidates), padded(num_classes))
+        self.warps = 4 if self.blocks[0] * self.blocks[1] <= 2048 else 8
+        self.launches = 0
+
+    def __call__(self, q: Tensor, f: CostFrame, mask: Tensor) -> ReadoutResult:
+        """Loss (B,), probabilities (B, V) and the batch-mean gradients of every readout parameter at q (B, n)."""
+        (b, n, k, v), (np_, kp, vp), r = self.sizes, self.blocks, f.readout
+        readout_grads_kernel[(1,)](
+            q, r.rot, r.g, r.zc, r.cc, r.bias, f.cand.labels, mask, r.r_sc, self.consts,
+            self.loss, self.probs, self.grad_g, self.gcov, self.grad_protos, self.grad_r,
+            b, n, k, v,
+            ONE_HOT=f.one_hot, BB=BLOCK_B, NP=np_, KP=kp, VP=vp, num_warps=self.warps,
+        )  # fmt: skip
+        self.launches += 1
+        grad_theta = rotor_angle_grad(self.gcov, r.suffix, f.layout)
+        return ReadoutResult(
+            self.loss, self.probs, ReadoutParams(self.grad_g, grad_theta, self.grad_protos, self.grad_r)
+        )
