@@ -15,6 +15,7 @@ require_interpreted_triton("the readout kernel")
 
 from tiny import tiny_config, tiny_machine  # noqa: E402
 
+from trainer2.components import resolve  # noqa: E402
 from trainer2.physics.costs.retrieval import Retrieval  # noqa: E402
 from trainer2.physics.kernels import readout_grads  # noqa: E402
 from trainer2.physics.kernels.backend import AUTO_TAKES_TRITON_READOUT, Backend, readout_kernel  # noqa: E402
@@ -22,17 +23,18 @@ from trainer2.physics.memory import MemoryBank  # noqa: E402
 from trainer2.physics.readout import ReadoutScratch, readout_frame, target_mask  # noqa: E402
 
 TOL = {torch.float32: 3e-5, torch.float64: 1e-12}
-# (batch, coordinates, classes, memory slots, filled slots): one block and a ragged second, odd sizes, a memory bank
-# with empty slots (bias -inf), more than 16 classes
-CASES = [(5, 4, 7, 0, 0), (37, 16, 20, 0, 0), (16, 3, 7, 24, 17), (21, 8, 11, 40, 40)]
+# (batch, coordinates, classes, memory slots, filled slots, retrieval beta): one block and a ragged second, odd sizes,
+# a memory bank with empty slots (bias -inf), more than 16 classes one-hot and in the bank (three blocks of classes)
+CASES = [(5, 4, 7, 0, 0, 1.0), (37, 16, 20, 0, 0, 2.3), (16, 3, 7, 24, 17, 0.7), (21, 8, 35, 40, 40, 2.3)]
 
 
-def readout(case: tuple[int, int, int, int, int], dtype: torch.dtype):
+def readout(case: tuple[int, int, int, int, int, float], dtype: torch.dtype):
     """q (B, n), the batch's cost frame, targets and target mask for a tiny machine (and memory bank) of these sizes."""
-    batch, n, classes, slots, filled = case
-    cfg = tiny_config(coord_dim_n=n, batch_size=batch, memory_capacity=slots, dtype=str(dtype).split(".")[1])
+    batch, n, classes, slots, filled, beta = case
+    dtype_name = str(dtype).split(".")[1]
+    cfg = tiny_config(coord_dim_n=n, batch_size=batch, memory_capacity=slots, retrieval_beta=beta, dtype=dtype_name)
     m = tiny_machine(cfg, classes)
-    gen = torch.Generator().manual_seed(sum(case))
+    gen = torch.Generator().manual_seed(batch + n + classes + slots)
     with torch.no_grad():
         m.readout.protos.copy_(torch.randn(m.readout.protos.shape, generator=gen, dtype=torch.float64))
         m.readout.r_sc.fill_(2.5)
@@ -52,7 +54,7 @@ def readout(case: tuple[int, int, int, int, int], dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("case", CASES, ids=[f"B{b}-n{n}-V{v}-mem{s}" for b, n, v, s, _ in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"B{b}-n{n}-V{v}-mem{s}-beta{r}" for b, n, v, s, _, r in CASES])
 def test_the_kernel_equals_readout_loss_and_grads(case, dtype):
     """Loss, probabilities and every readout gradient as the torch operators give them, to rounding; twice in a row
     (the kernel's buffers are reused), the second time at other coordinates."""
@@ -79,18 +81,31 @@ def test_the_kernel_equals_readout_loss_and_grads(case, dtype):
     assert kernel.launches == 2
 
 
-def test_fits_bounds_the_candidates_tile():
-    assert readout_grads.fits(16, 256) and readout_grads.fits(64, 128) and readout_grads.fits(3, 7)
-    assert not readout_grads.fits(64, 256) and not readout_grads.fits(16, 1024)
+def test_fits_bounds_the_candidates_tile_in_bytes():
+    assert readout_grads.fits(16, 512, 4) and readout_grads.fits(64, 128, 4) and readout_grads.fits(16, 256, 8)
+    assert not readout_grads.fits(16, 512, 8) and not readout_grads.fits(64, 256, 4) and readout_grads.fits(3, 7, 8)
 
 
 def test_the_triton_window_takes_it_where_asked_and_it_fits():
-    """--window_backend triton with the retrieval cost: the kernel; auto (until a GPU has run it), another cost, the
-    torch window, or candidates past one program's registers: the torch operators."""
+    """--window_backend triton with the retrieval cost: the kernel; auto (until a GPU has run it), another cost (also a
+    subclass of the retrieval cost, which may compute otherwise), the torch window, or candidates past one program's
+    registers: the torch operators."""
+
+    class MyRetrieval(Retrieval):
+        pass
+
     like, tri = torch.zeros(1, dtype=torch.float64), Backend("triton", "requested")
     sizes = (8, 16, 24, 24)
-    assert isinstance(readout_kernel(tri, "triton", "retrieval", sizes, 1.0, like), readout_grads.ReadoutGrads)
-    assert AUTO_TAKES_TRITON_READOUT or readout_kernel(tri, "auto", "retrieval", sizes, 1.0, like) is None
-    assert readout_kernel(tri, "triton", "mse", sizes, 1.0, like) is None
-    assert readout_kernel(Backend("torch", "requested"), "triton", "retrieval", sizes, 1.0, like) is None
-    assert readout_kernel(tri, "triton", "retrieval", (8, 16, 1024, 24), 1.0, like) is None
+    assert isinstance(readout_kernel(tri, "triton", Retrieval, sizes, 1.0, like), readout_grads.ReadoutGrads)
+    assert AUTO_TAKES_TRITON_READOUT or readout_kernel(tri, "auto", Retrieval, sizes, 1.0, like) is None
+    assert readout_kernel(tri, "triton", MyRetrieval, sizes, 1.0, like) is None
+    assert readout_kernel(tri, "triton", resolve("cost", "mse"), sizes, 1.0, like) is None
+    assert readout_kernel(Backend("torch", "requested"), "triton", Retrieval, sizes, 1.0, like) is None
+    assert readout_kernel(tri, "triton", Retrieval, (8, 16, 512, 24), 1.0, like) is None  # float64: 64 KiB
+
+
+def test_a_tensor_in_another_layout_is_refused_not_misread():
+    q, cost, mask, beta_r = readout(CASES[1], torch.float64)
+    kernel = readout_grads.ReadoutGrads(q.shape[0], q.shape[1], cost.cand.coords.shape[0], cost.num_classes, beta_r, q)
+    with pytest.raises(ValueError, match="not contiguous"):
+        kernel(q.T.contiguous().T, cost, mask)

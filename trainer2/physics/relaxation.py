@@ -148,7 +148,7 @@ class Relaxation:
         # With the Triton window, the retrieval readout's loss and gradients in one launch too (where it fits)
         counts = (batch, sizes[-1], num_cand, machine.num_classes)
         self.readout_kernel = readout_kernel(
-            self.backend, cfg.window_backend, self.cost.kind, counts, machine.spec.retrieval_beta, like
+            self.backend, cfg.window_backend, self.cost, counts, machine.spec.retrieval_beta, like
         )
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
         self.targets = self.cost.uses_target or self.nudge.clamp  # each batch forms c_y per row (not the default)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer2.physics.costs.retrieval import Retrieval
 from trainer2.physics.dynamics import Integrator, PhaseFn, PhaseRun, phase_function
 from trainer2.physics.nudge import NudgeScheme
 from trainer2.section import ConfigError
@@ -196,17 +197,18 @@ def choose_backend(
     return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
 
 
-def readout_kernel(window: Backend, requested: str, cost: str, sizes: tuple[int, int, int, int], beta_r: float, like):
+def readout_kernel(window: Backend, requested: str, cost: type, sizes: tuple[int, int, int, int], beta_r: float, like):
     """The Triton readout gradients (kernels/readout_grads.py) for a window run by `window` (`requested`: the
-    --window_backend asked for), this cost and sizes (batch, coordinates, candidates, classes), or None where the torch
-    operators stay: the window is torch, the cost is not the retrieval readout, the readout does not fit one program,
-    or auto does not take it yet (AUTO_TAKES_TRITON_READOUT). Imports triton only when the window's kernels run."""
-    if window.name != "triton" or cost != "retrieval" or not (requested == "triton" or AUTO_TAKES_TRITON_READOUT):
+    --window_backend asked for), this cost class and sizes (batch, coordinates, candidates, classes), or None where
+    the torch operators stay: the window is torch, the cost is not the retrieval readout itself (a subclass may
+    compute otherwise), the readout does not fit one program, or auto does not take it yet (AUTO_TAKES_TRITON_READOUT).
+    Imports triton only when the window's kernels run."""
+    if window.name != "triton" or cost is not Retrieval or not (requested == "triton" or AUTO_TAKES_TRITON_READOUT):
         return None
     from trainer2.physics.kernels import readout_grads
 
     batch, coordinates, candidates, classes = sizes
-    if not readout_grads.fits(coordinates, candidates):
+    if not readout_grads.fits(coordinates, candidates, like.element_size()):
         return None
     return readout_grads.ReadoutGrads(batch, coordinates, candidates, classes, beta_r, like)
 

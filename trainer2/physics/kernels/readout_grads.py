@@ -1,9 +1,9 @@
 """The retrieval readout's loss, class probabilities and exact gradients at the free equilibrium in one Triton launch:
 what `readout_loss_and_grads` does in about 40 torch operators (distances under the metric, the softmax over the
 candidates, p_y, the weights w, and the sums U, V and cov every gradient follows from). One program walks the batch
-in blocks of 16 rows and keeps the candidates (K, n) and the sums in registers, which serves the presets' readouts
-(n 16 to 64 coordinates, up to 256 candidates: `fits`); the rotor's angle gradient, a few products over its planes,
-stays in torch (`rotor_angle_grad`).
+in blocks of 16 rows and keeps the candidates (K, n) and the sums in registers, which serves readouts of up to 32 KiB
+of padded candidates x coordinates (`fits`: 16 coordinates and 512 candidates in float32, 256 in float64); the
+rotor's angle gradient, a few products over its planes, stays in torch (`rotor_angle_grad`).
 
 Its torch reference is trainer2.physics.readout.readout_loss_and_grads; tests/test_readout_grads.py compares the two.
 The sums run in another order than torch's products, so the two agree to rounding, not bitwise.
@@ -17,16 +17,20 @@ import triton.language as tl
 from torch import Tensor
 
 from trainer2.physics.costs.cost import CostFrame
-from trainer2.physics.kernels.chain import div_ieee, load_rows, load_tile, load_vec, mm, padded, sqrt_ieee
+from trainer2.physics.kernels.chain import div_ieee, load_rows, load_tile, load_vec, mm, padded, row_major, sqrt_ieee
 from trainer2.physics.readout import ReadoutParams, ReadoutResult, rotor_angle_grad
 
-MAX_HELD = 8192  # numbers of the candidates' padded (K, n) tile: it and the (K, n) sum V stay in registers
+MAX_BYTES = 32 * 1024  # of the candidates' padded (K, n) tile: it and the sum V stay in registers, and the products
+# that read them stage copies in shared memory (compiled ahead of time for sm_90, triton 3.9: at most 129 KiB of an
+# H100's 227, at 16 coordinates and 512 candidates in float32)
 BLOCK_B = 16  # batch rows a block: tl.dot's smallest
+BLOCK_V = 16  # classes a block of the memory bank's class probabilities
 
 
-def fits(coordinates: int, candidates: int) -> bool:
-    """Whether one program holds the readout of `candidates` (K) points in `coordinates` (n) dimensions."""
-    return padded(coordinates) * padded(candidates) <= MAX_HELD
+def fits(coordinates: int, candidates: int, itemsize: int) -> bool:
+    """Whether one program holds the readout of `candidates` (K) points in `coordinates` (n) dimensions of
+    `itemsize` bytes."""
+    return padded(coordinates) * padded(candidates) * itemsize <= MAX_BYTES
 
 
 @triton.jit
@@ -55,10 +59,10 @@ def readout_grads_kernel(
     BB: tl.constexpr,
     NP: tl.constexpr,
     KP: tl.constexpr,
-    VP: tl.constexpr,
+    VB: tl.constexpr,
 ):
     """readout_loss_and_grads over every block of BB rows, the batch-mean sums carried from block to block."""
-    kk, nn, vv = tl.arange(0, KP), tl.arange(0, NP), tl.arange(0, VP)
+    kk, nn = tl.arange(0, KP), tl.arange(0, NP)
     rot = load_tile(rot_ptr, N, N, N, NP, NP)
     g = load_vec(g_ptr, N, NP)
     zc = load_tile(zc_ptr, N, K, N, KP, NP)
@@ -95,10 +99,12 @@ def readout_grads_kernel(
         tl.store(loss_ptr + rows, -tl.log(p_y), mask=rows < B)
         if ONE_HOT:  # the candidates are the V prototypes in label order
             tl.store(probs_ptr + rows[:, None] * V + kk[None, :], pi, mask=(rows[:, None] < B) & (kk[None, :] < V))
-        else:  # p_v sums the weights of every candidate labelled v
-            hit = tl.where(labels[:, None] == vv[None, :], 1.0, 0.0).to(pi.dtype)  # (KP, VP)
-            probs = mm(pi, hit)
-            tl.store(probs_ptr + rows[:, None] * V + vv[None, :], probs, mask=(rows[:, None] < B) & (vv[None, :] < V))
+        else:  # p_v sums the weights of every candidate labelled v, VB classes at a time
+            for first in range(0, V, VB):
+                vv = first + tl.arange(0, VB)
+                hit = tl.where(labels[:, None] == vv[None, :], 1.0, 0.0).to(pi.dtype)  # (KP, VB)
+                at = probs_ptr + rows[:, None] * V + vv[None, :]
+                tl.store(at, mm(pi, hit), mask=(rows[:, None] < B) & (vv[None, :] < V))
         w_row = tl.sum(w, axis=1)  # (BB,)
         u = zq * w_row[:, None] - mm(w, zc)  # U = sum_k w_bk (zq_b - zc_k)
         w_col += tl.sum(w, axis=0)
@@ -118,8 +124,9 @@ def readout_grads_kernel(
 
 class ReadoutGrads:
     """The retrieval readout's `loss_and_grads` for a batch of B rows, n coordinates and K candidates of V classes, in
-    one launch plus the rotor's angle gradient; its outputs live in buffers made once (each call overwrites them).
-    `launches` counts the launches (a Python int), as the other kernels' wrappers do."""
+    one launch plus the rotor's angle gradient. Its outputs live in buffers made once: each call returns the same
+    tensors, overwritten (read a result before the next call, as a batch step does). `launches` counts the launches
+    (a Python int), as the other kernels' wrappers do."""
 
     def __init__(
         self, batch: int, coordinates: int, candidates: int, num_classes: int, beta_r: float, like: Tensor
@@ -135,18 +142,19 @@ class ReadoutGrads:
             new(coordinates, coordinates),
             new(num_classes, coordinates),
         )
-        self.blocks = (padded(coordinates), padded(candidates), padded(num_classes))
+        self.blocks = (padded(coordinates), padded(candidates))
         self.warps = 4 if self.blocks[0] * self.blocks[1] <= 2048 else 8
         self.launches = 0
 
     def __call__(self, q: Tensor, f: CostFrame, mask: Tensor) -> ReadoutResult:
         """Loss (B,), probabilities (B, V) and the batch-mean gradients of every readout parameter at q (B, n)."""
-        (b, n, k, v), (np_, kp, vp), r = self.sizes, self.blocks, f.readout
+        (b, n, k, v), (np_, kp), r = self.sizes, self.blocks, f.readout
+        row_major(q, mask, r.rot, r.zc)
         readout_grads_kernel[(1,)](
             q, r.rot, r.g, r.zc, r.cc, r.bias, f.cand.labels, mask, r.r_sc, self.consts,
             self.loss, self.probs, self.grad_g, self.gcov, self.grad_protos, self.grad_r,
             b, n, k, v,
-            ONE_HOT=f.one_hot, BB=BLOCK_B, NP=np_, KP=kp, VP=vp, num_warps=self.warps,
+            ONE_HOT=f.one_hot, BB=BLOCK_B, NP=np_, KP=kp, VB=BLOCK_V, num_warps=self.warps,
         )  # fmt: skip
         self.launches += 1
         grad_theta = rotor_angle_grad(self.gcov, r.suffix, f.layout)
