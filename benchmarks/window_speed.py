@@ -3,7 +3,8 @@
     python -m benchmarks.window_speed --repo /path/to/old --repo . --rounds 3 -- --preset dev --max_windows 1500 \\
         --eval_every_windows 0 --eval_batches 1 --log_every_windows 1500
 
-Runs `python <repo>/main.py <flags>` for each --repo in turn (round 1: every repo, round 2: every repo, ...), each in
+Runs `python <repo>/main.py <flags>` for each --repo in turn (round 1: every repo, round 2: every repo in the reverse
+order, and so on, because whichever runs first in a round tends to run a few percent faster), each in
 a fresh temporary checkpoint directory with OMP_NUM_THREADS=1 and TQDM_DISABLE=1, and reads its summary.json's
 windows_per_second (the training loop: batches drawn, steps, logging; start-up excluded). Prints every round and each
 repo's median, and the ratio of each median to the first repo's. Run it on an idle machine: a helper or a test beside
@@ -33,6 +34,12 @@ def one_run(repo: Path, flags: list[str]) -> float:
         return float(json.loads((Path(tmp) / "speed" / "summary.json").read_text())["windows_per_second"])
 
 
+def round_order(repos: list[Path], k: int) -> list[Path]:
+    """The order of round k (from 0): as given, then reversed, and so on, so no checkout always runs first (whichever
+    does tends to run a few percent faster: docs/performance.md)."""
+    return repos if k % 2 == 0 else repos[::-1]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--repo", action="append", required=True, help="a checkout whose main.py to run (repeat)")
@@ -43,7 +50,7 @@ def main() -> int:
     repos = [Path(r).resolve() for r in args.repo]
     rates: dict[Path, list[float]] = {r: [] for r in repos}
     for k in range(args.rounds):
-        for repo in repos:
+        for repo in round_order(repos, k):
             rates[repo].append(one_run(repo, flags))
             print(f"round {k + 1}: {repo}: {rates[repo][-1]:.1f} windows/s", flush=True)
     base = statistics.median(rates[repos[0]])

@@ -18,3 +18,10 @@ def test_two_rounds_of_one_checkout_print_each_round_and_the_median():
     lines = out.stdout.splitlines()
     assert [line.split(":")[0] for line in lines[:2]] == ["round 1", "round 2"]
     assert lines[-1].endswith("(1.000x the first)") and "windows/s" in lines[-1]
+
+
+def test_rounds_alternate_the_order_so_no_checkout_always_runs_first():
+    from benchmarks.window_speed import round_order
+
+    a, b, c = Path("a"), Path("b"), Path("c")
+    assert [round_order([a, b, c], k) for k in range(3)] == [[a, b, c], [c, b, a], [a, b, c]]
