@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from trainer2.physics.costs.retrieval import Retrieval
 from trainer2.physics.dynamics import Integrator, PhaseFn, PhaseRun, phase_function
 from trainer2.physics.nudge import NudgeScheme
 from trainer2.section import ConfigError
+
+if TYPE_CHECKING:  # imports triton: only for the annotation
+    from trainer2.physics.kernels.readout_grads import ReadoutGrads
 
 # A program keeps whole layers in registers (tiles padded to powers of two >= 16). Within FITS (the dev and production
 # presets, 256 x 16) they fit, and auto takes triton; within RUNS --window_backend triton runs them with more warps
@@ -197,7 +201,9 @@ def choose_backend(
     return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
 
 
-def readout_kernel(window: Backend, requested: str, cost: type, sizes: tuple[int, int, int, int], beta_r: float, like):
+def readout_kernel(
+    window: Backend, requested: str, cost: type, sizes: tuple[int, int, int, int], beta_r: float, like: torch.Tensor
+) -> ReadoutGrads | None:
     """The Triton readout gradients (kernels/readout_grads.py) for a window run by `window` (`requested`: the
     --window_backend asked for), this cost class and sizes (batch, coordinates, candidates, classes), or None where
     the torch operators stay: the window is torch, the cost is not the retrieval readout itself (a subclass may

@@ -50,7 +50,7 @@ def readout_grads_kernel(
     grad_g_ptr,  # (n,) out
     gcov_ptr,  # (n, n) out: R_sc g_i cov_ij, what the rotor's angle gradient reads
     grad_protos_ptr,  # (V, n) out
-    grad_r_ptr,  # (1,) out
+    grad_r_ptr,  # 0-dim out
     B,
     N,
     K,
