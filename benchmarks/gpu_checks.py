@@ -6,8 +6,10 @@ and the table of every mode.
 
 The parts, in this order while the time budget lasts (a part whose estimate no longer fits is skipped, saying so; run
 it in a second call with --parts):
-  dev8        bench at the dev preset, batch 8: eager, graph, compile+graph, triton+graph (the Triton window and the
-              fused update), with an empty Triton cache, so setup_s includes compiling the kernels;
+  dev8        bench at the dev preset, batch 8: eager, graph, compile+graph, triton+graph (the Triton window, readout
+              and fused update), with an empty Triton cache, so setup_s includes compiling the kernels;
+  readout     dev batch 8, triton+graph with the readout's loss and gradients in torch (--readout_backend torch): beside
+              dev8's triton+graph row, what the readout kernel saves (AUTO_TAKES_TRITON_READOUT);
   graph       graph = eager, bitwise: windows of the dev machine (torch, and Triton window + fused update) and of the
               conv preset's machine, eagerly and replayed as a CUDA graph (conv again with cudnn.deterministic if not);
   dev4096     dev preset at batch 4096 (graph, triton+graph): the relaxation's share of the fp32 peak;
@@ -76,9 +78,8 @@ class Plan:
         torch_modes = ["eager", "graph", "compile+graph", "triton+graph"]
         if smoke:  # no compile on the CPU (inductor takes minutes); graph rows say n/a; triton runs interpreted
             modes = ["eager", "graph", "triton", "triton+graph"]
-            return Plan(
-                True, 2, 48, (3, 16, 16), 5.0, 16, {"dev8": ("dev", [4], modes), "dev4096": ("dev", [16], modes[:2])}
-            )
+            smoke_bench = {"dev8": ("dev", [4], modes), "readout": ("dev", [4], ["triton"])}
+            return Plan(True, 2, 48, (3, 16, 16), 5.0, 16, {**smoke_bench, "dev4096": ("dev", [16], modes[:2])})
         return Plan(
             False,
             200,
@@ -88,6 +89,7 @@ class Plan:
             4096,
             {
                 "dev8": ("dev", [8], torch_modes),
+                "readout": ("dev", [8], ["triton+graph"]),
                 "dev4096": ("dev", [4096], ["graph", "triton+graph"]),
                 "dev64": ("dev", [64], torch_modes),
                 "conv": ("conv", [128], ["eager", "graph", "compile+graph"]),
@@ -101,6 +103,7 @@ class Plan:
 # rows' parts first. The "(N s in)" lines of a run give the real figures.
 ESTIMATE_S = {
     "dev8": 90,
+    "readout": 15,
     "graph": 30,
     "dev4096": 25,
     "conv-epoch": 80,
@@ -110,6 +113,10 @@ ESTIMATE_S = {
     "production": 20,
     "deep": 30,
 }
+
+
+# A part that benches a preset with other settings, and the name its rows carry in the table
+VARIANTS = {"readout": ("dev, torch readout", {"readout_backend": "torch"})}
 
 
 def config(preset: str, smoke: bool, **overrides):
@@ -189,15 +196,16 @@ def bench_part(plan: Plan, part: str, device: torch.device, log: Callable[[str],
     from trainer2.running.bench import measure
 
     preset, batches, modes = plan.bench[part]
-    cfg = config(preset, plan.smoke)
+    label, overrides = VARIANTS.get(part, (preset, {}))
+    cfg = config(preset, plan.smoke, **overrides)
     data = data_for(cfg)
     rows = []
     for b in batches:
         torch._dynamo.reset()  # every compile is of BatchStep.step: keep dynamo's recompile limit out of the way
         windows = plan.windows if b < 1024 else max(2, plan.windows // 4)
         for r in measure(cfg, data, device, b, modes, windows, cfg.warmup_steps + 2, 5):
-            log(f"  {preset} batch {b} {r.mode}: {r.windows_per_s or 0:.1f} windows/s {r.note}".rstrip())
-            rows.append((preset, r))
+            log(f"  {label} batch {b} {r.mode}: {r.windows_per_s or 0:.1f} windows/s {r.note}".rstrip())
+            rows.append((label, r))
     return rows
 
 

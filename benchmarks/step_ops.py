@@ -4,6 +4,7 @@ operators (what `bench` counts) grouped by the trainer2 function that issued the
 torch window and update unless told otherwise.
 
     python -m benchmarks.step_ops --preset dev --batch_size 8 [--window_backend torch] [--update_backend torch]
+        [--readout_backend torch]
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--window_backend", default="torch")
     p.add_argument("--update_backend", default="torch")
+    p.add_argument("--readout_backend", default="torch")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = trainer2.config(args.preset, window_backend=args.window_backend, update_backend=args.update_backend)
+    backends = {"window_backend": args.window_backend, "update_backend": args.update_backend}
+    cfg = trainer2.config(args.preset, **backends, readout_backend=args.readout_backend)
     ops = step_ops(cfg, args.batch_size)
     by_file = Counter()
     for where, n in ops.items():

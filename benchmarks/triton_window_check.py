@@ -36,7 +36,7 @@ def check(cfg, batch: int, device: torch.device) -> dict[str, float]:
     inputs, targets = data.batch("train", torch.arange(batch) * 7 % data.num_examples("train"))
     relax = {}
     for backend in ("triton", "torch"):
-        c = cfg.model_copy(update={"window_backend": backend})
+        c = cfg.model_copy(update={"window_backend": backend, "readout_backend": backend})
         m = build_machine(c, data.num_classes, data.input_dim, data.tokens, device, seed=c.seed)
         bank = None
         if c.memory_capacity:  # filled with the first batch's coordinates, so the bank's candidates take part

@@ -18,9 +18,16 @@ from tiny import tiny_config, tiny_machine  # noqa: E402
 from trainer2.components import resolve  # noqa: E402
 from trainer2.physics.costs.retrieval import Retrieval  # noqa: E402
 from trainer2.physics.kernels import readout_grads  # noqa: E402
-from trainer2.physics.kernels.backend import AUTO_TAKES_TRITON_READOUT, Backend, readout_kernel  # noqa: E402
+from trainer2.physics.kernels.backend import (  # noqa: E402
+    AUTO_TAKES_TRITON_READOUT,
+    choose_readout_backend,
+    readout_kernel,
+)
 from trainer2.physics.memory import MemoryBank  # noqa: E402
 from trainer2.physics.readout import ReadoutScratch, readout_frame, target_mask  # noqa: E402
+from trainer2.running.trainer import Trainer  # noqa: E402
+from trainer2.section import ConfigError  # noqa: E402
+from trainer2.train_config import build_config  # noqa: E402
 
 TOL = {torch.float32: 3e-5, torch.float64: 1e-12}
 # (batch, coordinates, classes, memory slots, filled slots, retrieval beta): one block and a ragged second, odd sizes,
@@ -86,22 +93,44 @@ def test_fits_bounds_the_candidates_tile_in_bytes():
     assert not readout_grads.fits(16, 512, 8) and not readout_grads.fits(64, 256, 4) and readout_grads.fits(3, 7, 8)
 
 
-def test_the_triton_window_takes_it_where_asked_and_it_fits():
-    """--window_backend triton with the retrieval cost: the kernel; auto (until a GPU has run it), another cost (also a
-    subclass of the retrieval cost, which may compute otherwise), the torch window, or candidates past one program's
-    registers: the torch operators."""
+def test_readout_backend_triton_runs_it_where_it_can_and_auto_keeps_torch():
+    """--readout_backend triton with the retrieval cost: the kernel (beside either window); auto keeps torch until a GPU
+    has run it; another cost (also a subclass of the retrieval cost, which may compute otherwise) or a readout past
+    one program's registers is refused by name."""
 
     class MyRetrieval(Retrieval):
-        pass
+        kind = "my_retrieval"
 
-    like, tri = torch.zeros(1, dtype=torch.float64), Backend("triton", "requested")
-    sizes = (8, 16, 24, 24)
-    assert isinstance(readout_kernel(tri, "triton", Retrieval, sizes, 1.0, like), readout_grads.ReadoutGrads)
-    assert AUTO_TAKES_TRITON_READOUT or readout_kernel(tri, "auto", Retrieval, sizes, 1.0, like) is None
-    assert readout_kernel(tri, "triton", MyRetrieval, sizes, 1.0, like) is None
-    assert readout_kernel(tri, "triton", resolve("cost", "mse"), sizes, 1.0, like) is None
-    assert readout_kernel(Backend("torch", "requested"), "triton", Retrieval, sizes, 1.0, like) is None
-    assert readout_kernel(tri, "triton", Retrieval, (8, 16, 512, 24), 1.0, like) is None  # float64: 64 KiB
+    like, sizes = torch.zeros(1, dtype=torch.float64), (8, 16, 24, 24)
+    tri = choose_readout_backend("triton", like, Retrieval, sizes)
+    assert tri.name == "triton" and isinstance(readout_kernel(tri, sizes, 1.0, like), readout_grads.ReadoutGrads)
+    auto = choose_readout_backend("auto", like, Retrieval, sizes)
+    assert AUTO_TAKES_TRITON_READOUT or (auto.name == "torch" and readout_kernel(auto, sizes, 1.0, like) is None)
+    assert choose_readout_backend("torch", like, Retrieval, sizes).name == "torch"
+    with pytest.raises(ConfigError, match="readout_backend: triton cannot run here: .*this run's is my_retrieval"):
+        choose_readout_backend("triton", like, MyRetrieval, sizes)
+    with pytest.raises(ConfigError, match="this run's is mse"):
+        choose_readout_backend("triton", like, resolve("cost", "mse"), sizes)
+    with pytest.raises(ConfigError, match=r"512 candidates x 16 coordinates of torch.float64 .* \(32 KiB padded\)"):
+        choose_readout_backend("triton", like, Retrieval, (8, 16, 512, 24))
+    assert "the CPU" in choose_readout_backend("auto", like, Retrieval, sizes).reason  # auto: CUDA only
+
+
+def test_a_run_with_the_readout_kernel_beside_the_torch_window(tmp_path, small_text):
+    """--readout_backend triton with --window_backend torch: the kernel runs every window, the summary names it, and
+    the run equals the all-torch run to rounding."""
+    base = dict(hidden_sizes=[10], coord_dim_n=4, rotor_k=4, context_len=3, embed_dim=3, batch_size=8, free_steps=6)
+    base.update(nudge_steps=4, max_windows=20, log_every_windows=20, eval_every_windows=0, eval_batches=1)
+    base.update(dtype="float64", data=str(small_text), device="cpu", window_backend="torch")
+    runs = {}
+    for backend in ("triton", "torch"):
+        flags = {"readout_backend": backend, "checkpoint_dir": str(tmp_path / backend)}
+        trainer = Trainer(build_config([("test", {**base, **flags})]), log=lambda *_: None)
+        runs[backend] = trainer, trainer.train()
+    (tri, tri_summary), (ref, ref_summary) = runs["triton"], runs["torch"]
+    assert tri.relaxation.readout_kernel.launches == 20 and ref.relaxation.readout_kernel is None
+    assert tri_summary["readout_backend"] == "triton" and ref_summary["readout_backend"] == "torch"
+    torch.testing.assert_close(tri.machine.flat, ref.machine.flat, rtol=1e-9, atol=1e-9)
 
 
 def test_a_tensor_in_another_layout_is_refused_not_misread():

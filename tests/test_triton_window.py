@@ -187,7 +187,8 @@ def test_a_training_run_with_triton_matches_torch(tmp_path, small_text):
     )
     runs = {}
     for backend in ("triton", "torch"):
-        cfg = build_config([("test", {**base, "window_backend": backend, "checkpoint_dir": str(tmp_path / backend)})])
+        flags = {"window_backend": backend, "readout_backend": backend, "checkpoint_dir": str(tmp_path / backend)}
+        cfg = build_config([("test", {**base, **flags})])
         trainer = Trainer(cfg, log=lambda *_: None)
         start = trainer.machine.flat.clone()
         summary = trainer.train()
@@ -208,7 +209,8 @@ def test_the_triton_ep_gradient_is_the_exact_gradient():
     cfg = tiny_config(hidden_sizes=[9, 7], beta_nudge=1e-3, free_steps=60, nudge_steps=60)
     m = tiny_machine(cfg)
     inputs, targets = tiny_batch(cfg)
-    tri = Relaxation(m, cfg.model_copy(update={"window_backend": "triton"}), cfg.batch_size)
+    triton = cfg.model_copy(update={"window_backend": "triton", "readout_backend": "triton"})
+    tri = Relaxation(m, triton, cfg.batch_size)
     with torch.no_grad():
         ep = ep_gradients(tri, inputs, targets)
         ex = exact_gradients(Relaxation(m, cfg, cfg.batch_size), inputs, targets)

@@ -32,7 +32,13 @@ from trainer2.physics.dynamics import (
     staged_layers,
 )
 from trainer2.physics.energy import Energy, input_drive
-from trainer2.physics.kernels.backend import choose_backend, make_phase_function, nudge_blocker, readout_kernel
+from trainer2.physics.kernels.backend import (
+    choose_backend,
+    choose_readout_backend,
+    make_phase_function,
+    nudge_blocker,
+    readout_kernel,
+)
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.nudge import NudgeScheme
@@ -67,6 +73,12 @@ class DynamicsConfig(Section):
         "auto",
         description="Relaxation phases: 'torch' operators, or 'triton' (one kernel launch per phase; needs the kernels "
         "extra and a CUDA device); 'auto' takes triton on CUDA where it can run, torch otherwise.",
+    )
+    readout_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="The retrieval readout's loss and gradients at the free equilibrium: 'torch' operators, or "
+        "'triton' (one kernel launch; needs the kernels extra and a CUDA device); 'auto' keeps torch until a GPU has "
+        "run the kernel.",
     )
 
     @model_validator(mode="after")
@@ -145,11 +157,10 @@ class Relaxation:
             cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds, served
         )
         self.steps_fn = make_phase_function(self.backend, self.integ)
-        # With the Triton window, the retrieval readout's loss and gradients in one launch too (where it fits)
+        # The retrieval readout's loss and gradients at s0: the cost's torch operators, or one Triton launch
         counts = (batch, sizes[-1], num_cand, machine.num_classes)
-        self.readout_kernel = readout_kernel(
-            self.backend, cfg.window_backend, self.cost, counts, machine.spec.retrieval_beta, like
-        )
+        self.readout_backend = choose_readout_backend(cfg.readout_backend, like, self.cost, counts)
+        self.readout_kernel = readout_kernel(self.readout_backend, counts, machine.spec.retrieval_beta, like)
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
         self.targets = self.cost.uses_target or self.nudge.clamp  # each batch forms c_y per row (not the default)
         fixed, phases = self.integ.fixed_point, self.nudge.phases

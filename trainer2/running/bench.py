@@ -187,7 +187,9 @@ def prepare(
     # window and update (auto may pick triton).
     base = "eager" if mode == "triton" else mode.removeprefix("triton+")
     backend = "triton" if mode.startswith("triton") else "torch"
-    cfg = cfg.model_copy(update={"window_backend": backend, "update_backend": backend})
+    # The readout follows the mode too, unless the config pins it to torch (triton+graph with and without its kernel)
+    readout = "torch" if cfg.readout_backend == "torch" else backend
+    cfg = cfg.model_copy(update={"window_backend": backend, "update_backend": backend, "readout_backend": readout})
     graphs, compiled = base in ("graph", "compile+graph", "reduce-overhead"), base not in ("eager", "graph")
     if graphs and not cuda:
         return Row(batch, mode, note="n/a (CUDA graphs need a CUDA device)"), None

@@ -166,7 +166,8 @@ class Trainer:
         raises Diverged."""
         total = self.total_windows()
         self.log("config:\n" + to_yaml(self.cfg).rstrip())
-        self.log(run_header(self.data, self.device, window=self.relaxation.backend, update=self.updater.backend))
+        backends = {"window": self.relaxation.backend, "readout": self.relaxation.readout_backend}
+        self.log(run_header(self.data, self.device, **backends, update=self.updater.backend))
         if self.dist.is_main:
             claim(self.run_dir, self.run_id)
         state = LoopState(self.progress.window, total, eager=self.monitor.eager)
@@ -314,6 +315,7 @@ class Trainer:
             device=str(self.device),
             window_backend=self.relaxation.backend.name,
             update_backend=self.updater.backend.name,
+            readout_backend=self.relaxation.readout_backend.name,
             interrupted=interrupted,
             **({"resume_command": self.resume_hint} if interrupted else {}),  # the terminal may be gone
             diverged=diverged is not None,

@@ -1,8 +1,9 @@
 """Which code relaxes the phases (--window_backend): torch's operators (trainer2.physics.dynamics.fixed_point_steps)
 or one Triton launch per phase (kernels/free_phase.py, kernels/nudged_phase.py); and which code updates the parameters
 (--update_backend): torch's operators (trainer2.learning.update.flat_update) or the fused update (kernels/
-fused_update.py). Each is chosen once per run; triton is imported only when it is chosen, so a run without it never
-loads it."""
+fused_update.py); and which computes the retrieval readout's loss and gradients (--readout_backend): the cost's
+torch operators or one launch (kernels/readout_grads.py). Each is chosen once per run; triton is imported only when it
+is chosen, so a run without it never loads it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +18,6 @@ from trainer2.physics.costs.retrieval import Retrieval
 from trainer2.physics.dynamics import Integrator, PhaseFn, PhaseRun, phase_function
 from trainer2.physics.nudge import NudgeScheme
 from trainer2.section import ConfigError
-
-if TYPE_CHECKING:  # imports triton: only for the annotation
-    from trainer2.physics.kernels.readout_grads import ReadoutGrads
 
 # A program keeps whole layers in registers (tiles padded to powers of two >= 16). Within FITS (the dev and production
 # presets, 256 x 16) they fit, and auto takes triton; within RUNS --window_backend triton runs them with more warps
@@ -34,7 +31,7 @@ MAX_DEPTH = 3
 AUTO_TAKES_TRITON = True
 AUTO_TAKES_TRITON_UPDATE = True
 # The readout's loss and gradients in one launch (kernels/readout_grads.py) equal the torch operators in the
-# interpreter, but have not yet run compiled on a GPU: --window_backend triton takes them, auto not yet.
+# interpreter, but have not yet run compiled on a GPU: --readout_backend triton runs them, auto not yet.
 AUTO_TAKES_TRITON_READOUT = False
 # Triton stages each tl.dot's operands through shared memory, and the kernels' dots take whole layers: the largest
 # pair (BLOCK_ROWS rows of state and a coupling tile, padded) has to fit the GPU's shared memory per block. The slack
@@ -201,22 +198,48 @@ def choose_backend(
     return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
 
 
-def readout_kernel(
-    window: Backend, requested: str, cost: type, sizes: tuple[int, int, int, int], beta_r: float, like: torch.Tensor
-) -> ReadoutGrads | None:
-    """The Triton readout gradients (kernels/readout_grads.py) for a window run by `window` (`requested`: the
-    --window_backend asked for), this cost class and sizes (batch, coordinates, candidates, classes), or None where
-    the torch operators stay: the window is torch, the cost is not the retrieval readout itself (a subclass may
-    compute otherwise), the readout does not fit one program, or auto does not take it yet (AUTO_TAKES_TRITON_READOUT).
-    Imports triton only when the window's kernels run."""
-    if window.name != "triton" or cost is not Retrieval or not (requested == "triton" or AUTO_TAKES_TRITON_READOUT):
-        return None
-    from trainer2.physics.kernels import readout_grads
+def choose_readout_backend(requested: str, like: torch.Tensor, cost: type, sizes: tuple[int, int, int, int]) -> Backend:
+    """The readout's backend for this cost class and sizes (batch, coordinates, candidates, classes) on `like`'s device
+    and dtype. The kernel computes the Retrieval cost itself (a subclass may compute otherwise) for a readout one
+    program holds; asking for triton where it cannot run is a ConfigError."""
+    if requested == "torch":
+        return Backend("torch", "--readout_backend torch")
+    blocker = (
+        f"the kernel computes the retrieval cost, this run's is {getattr(cost, 'kind', cost)}"
+        if cost is not Retrieval
+        else f"the kernel runs float32 or float64, this run is {like.dtype}"
+        if like.dtype not in (torch.float32, torch.float64)
+        else runtime_blocker(like.device)
+    )
+    if blocker is None and (requested == "triton" or like.device.type == "cuda"):  # triton imports, and may be taken
+        from trainer2.physics.kernels import readout_grads
 
-    batch, coordinates, candidates, classes = sizes
-    if not readout_grads.fits(coordinates, candidates, like.element_size()):
+        _, coordinates, candidates, _ = sizes
+        if not readout_grads.fits(coordinates, candidates, like.element_size()):
+            blocker = (
+                f"{candidates} candidates x {coordinates} coordinates of {like.dtype} are more than one program "
+                f"holds ({readout_grads.MAX_BYTES // 1024} KiB padded)"
+            )
+    if requested == "triton":
+        if blocker is not None:
+            raise ConfigError(
+                f"readout_backend: triton cannot run here: {blocker}; use --readout_backend auto or torch"
+            )
+        return Backend("triton", "--readout_backend triton")
+    if blocker is None and like.device.type == "cuda":
+        if AUTO_TAKES_TRITON_READOUT:
+            return Backend("triton", "auto: a CUDA device, triton imports and the readout fits")
+        return Backend("torch", "auto: AUTO_TAKES_TRITON_READOUT is off; --readout_backend triton runs the kernel")
+    return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
+
+
+def readout_kernel(backend: Backend, sizes: tuple[int, int, int, int], beta_r: float, like: torch.Tensor):
+    """The Triton readout (kernels/readout_grads.py) where `backend` is triton, else None; imports triton only then."""
+    if backend.name != "triton":
         return None
-    return readout_grads.ReadoutGrads(batch, coordinates, candidates, classes, beta_r, like)
+    from trainer2.physics.kernels.readout_grads import ReadoutGrads
+
+    return ReadoutGrads(*sizes, beta_r, like)
 
 
 def choose_update_backend(requested: str, device: torch.device, dtype: torch.dtype) -> Backend:
