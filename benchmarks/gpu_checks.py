@@ -8,8 +8,6 @@ The parts, in this order while the time budget lasts (a part whose estimate no l
 it in a second call with --parts):
   dev8        bench at the dev preset, batch 8: eager, graph, compile+graph, triton+graph (the Triton window, readout
               and fused update), with an empty Triton cache, so setup_s includes compiling the kernels;
-  readout     dev batch 8, triton+graph with the readout's loss and gradients in torch (--readout_backend torch): beside
-              dev8's triton+graph row, what the readout kernel saves (AUTO_TAKES_TRITON_READOUT);
   graph       graph = eager, bitwise: windows of the dev machine (torch, and Triton window + fused update) and of the
               conv preset's machine, eagerly and replayed as a CUDA graph (conv again with cudnn.deterministic if not);
   dev4096     dev preset at batch 4096 (graph, triton+graph): the relaxation's share of the fp32 peak;
@@ -18,6 +16,8 @@ it in a second call with --parts):
               whole epoch when it fits in its budget, else timed batches extrapolated to the epoch's 390);
   tests       the tests that need CUDA (`pytest -m cuda`: graph capture, the compiled Triton kernels against torch, ...;
               --tests all: the whole suite);
+  readout     dev batch 8, triton+graph with the readout's loss and gradients in torch (--readout_backend torch): beside
+              dev8's triton+graph row, what the readout kernel saves (AUTO_TAKES_TRITON_READOUT);
   conv, dev64, production, deep   more bench rows: the conv preset at batch 128 (eager, graph, compile+graph), dev
               batch 64 (as dev8), production and deep (eager, graph, triton+graph).
 
@@ -103,11 +103,11 @@ class Plan:
 # rows' parts first. The "(N s in)" lines of a run give the real figures.
 ESTIMATE_S = {
     "dev8": 90,
-    "readout": 15,
     "graph": 30,
     "dev4096": 25,
     "conv-epoch": 80,
     "tests": 120,
+    "readout": 15,
     "conv": 90,
     "dev64": 75,
     "production": 20,
@@ -255,7 +255,8 @@ def graph_part(plan: Plan, device: torch.device, log: Callable[[str], None]) -> 
     ):
         if backend == "triton" and runtime_blocker(device) is not None:  # the CPU without triton's interpreter
             continue
-        cfg = config(preset, plan.smoke, window_backend=backend, update_backend=backend, batch_size=8)
+        backends = {"window_backend": backend, "update_backend": backend, "readout_backend": backend}
+        cfg = config(preset, plan.smoke, **backends, batch_size=8)
         out[name] = graph_equals_eager(cfg, data_for(cfg), device, windows)
         if name == "conv" and out[name].startswith("differs"):
             # cuDNN may pick nondeterministic algorithms: is eager against eager equal, and graph under determinism?

@@ -138,3 +138,17 @@ def test_a_tensor_in_another_layout_is_refused_not_misread():
     kernel = readout_grads.ReadoutGrads(q.shape[0], q.shape[1], cost.cand.coords.shape[0], cost.num_classes, beta_r, q)
     with pytest.raises(ValueError, match="not contiguous"):
         kernel(q.T.contiguous().T, cost, mask)
+
+
+def test_bench_triton_modes_keep_the_torch_readout_where_its_kernel_cannot_run(small_text):
+    """A readout past one program (300 memory slots, float64) with the config's auto: the triton row is measured, with
+    the Triton window and update but the torch readout (5 launches), not refused."""
+    from trainer2.data.load import load_dataset
+    from trainer2.running.bench import host_batches, prepare
+
+    flags = dict(hidden_sizes=[8], coord_dim_n=4, rotor_k=3, batch_size=8, free_steps=3, nudge_steps=2, dtype="float64")
+    cfg = build_config([("test", {**flags, "memory_capacity": 300, "data": str(small_text), "device": "cpu"})])
+    data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
+    row, runner = prepare(cfg, data, torch.device("cpu"), 8, "triton", host_batches(data, 8, 2, 0))
+    assert row.note == "" and runner is not None and row.triton_per_batch == 5
+    assert runner.batch_step.relax.readout_backend.name == "torch" and runner.batch_step.relax.backend.name == "triton"

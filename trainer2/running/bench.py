@@ -187,8 +187,9 @@ def prepare(
     # window and update (auto may pick triton).
     base = "eager" if mode == "triton" else mode.removeprefix("triton+")
     backend = "triton" if mode.startswith("triton") else "torch"
-    # The readout follows the mode too, unless the config pins it to torch (triton+graph with and without its kernel)
-    readout = "torch" if cfg.readout_backend == "torch" else backend
+    # The readout follows the mode where its kernel can run (the config's `auto`), or as the config says (triton+graph
+    # with and without the kernel)
+    readout = backend if cfg.readout_backend == "auto" else cfg.readout_backend
     cfg = cfg.model_copy(update={"window_backend": backend, "update_backend": backend, "readout_backend": readout})
     graphs, compiled = base in ("graph", "compile+graph", "reduce-overhead"), base not in ("eager", "graph")
     if graphs and not cuda:
@@ -197,7 +198,13 @@ def prepare(
     try:
         step = make_step(cfg, data, batch, device)
     except ConfigError as e:  # the Triton window cannot run here: say why in the row
-        return Row(batch, mode, note=f"n/a ({e})"), None
+        if not (str(e).startswith("readout_backend") and readout == "triton" and backend == "triton"):
+            return Row(batch, mode, note=f"n/a ({e})"), None
+        cfg = cfg.model_copy(update={"readout_backend": "torch"})  # the mode's readout kernel cannot run: torch's
+        try:
+            step = make_step(cfg, data, batch, device)
+        except ConfigError as e2:
+            return Row(batch, mode, note=f"n/a ({e2})"), None
     logs: list[str] = []
     runner = StepRunner(
         step,
@@ -292,7 +299,9 @@ class WindowCost:
 def window_only(cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, windows: int) -> WindowCost:
     """Profile one free and one nudged window of an eager step, then time `windows` eager steps by phase (the torch
     window: its operator count is what this table is for; a triton mode's row counts the Triton window's kernels)."""
-    step = make_step(cfg.model_copy(update={"window_backend": "torch", "update_backend": "torch"}), data, batch, device)
+    pinned = {"window_backend": "torch", "update_backend": "torch", "readout_backend": "torch"}
+    torch_cfg = cfg.model_copy(update=pinned)
+    step = make_step(torch_cfg, data, batch, device)
     relax = step.relax
     feed = [(x.to(device), y.to(device)) for x, y in host_batches(data, batch, windows + 2, cfg.seed)]
     free = relax.free_phase(*feed[0])
