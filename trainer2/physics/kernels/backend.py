@@ -120,6 +120,13 @@ def runtime_blocker(device: torch.device) -> str | None:
     return None
 
 
+def kernel_blocker(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a kernel over whole buffers (the fused update, the readout) cannot run: its dtype, or `runtime_blocker`."""
+    if dtype not in (torch.float32, torch.float64):
+        return f"the kernel runs float32 or float64, this run is {dtype}"
+    return runtime_blocker(device)
+
+
 def shared_memory_limit(device: torch.device) -> int | None:
     """The shared memory a block may use on a CUDA `device`, bytes (None where it cannot be read: no CUDA here)."""
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -207,9 +214,7 @@ def choose_readout_backend(requested: str, like: torch.Tensor, cost: type, sizes
     blocker = (
         f"the kernel computes the retrieval cost, this run's is {getattr(cost, 'kind', cost)}"
         if cost is not Retrieval
-        else f"the kernel runs float32 or float64, this run is {like.dtype}"
-        if like.dtype not in (torch.float32, torch.float64)
-        else runtime_blocker(like.device)
+        else kernel_blocker(like.device, like.dtype)
     )
     if blocker is None and (requested == "triton" or like.device.type == "cuda"):  # triton imports, and may be taken
         from trainer2.physics.kernels import readout_grads
@@ -247,11 +252,7 @@ def choose_update_backend(requested: str, device: torch.device, dtype: torch.dty
     device, the dtype and triton itself can refuse it; asking for triton where it cannot run is a ConfigError."""
     if requested == "torch":
         return Backend("torch", "--update_backend torch")
-    blocker = (
-        f"the kernel runs float32 or float64, this run is {dtype}"
-        if dtype not in (torch.float32, torch.float64)
-        else runtime_blocker(device)
-    )
+    blocker = kernel_blocker(device, dtype)
     if requested == "triton":
         if blocker is not None:
             raise ConfigError(f"update_backend: triton cannot run here: {blocker}; use --update_backend auto or torch")
