@@ -149,6 +149,13 @@ def cmd_evaluate(argv: list[str]) -> int:
         metavar="N",
         help="Held-out batches of 512 to score; none = all (default: the checkpoint's).",
     )
+    p.add_argument(
+        "--weights",
+        choices=("auto", "average", "raw"),
+        default="auto",
+        help="Which parameters to score: the weight average the run kept (ema_decay > 0), the raw ones, or auto: the "
+        "average where there is one.",
+    )
     args = vars(p.parse_args(argv))
     path = Path(args.pop("checkpoint"))
     from trainer2.running.model import load
@@ -156,7 +163,7 @@ def cmd_evaluate(argv: list[str]) -> int:
     model = load(path, **args)
     print(f"loaded {path} (window {model.window})", file=sys.stderr)
     validation = model.evaluate(split="validation") if model.cfg.validation_fraction else {}
-    out = {"checkpoint": str(path), "window": model.window, **model.evaluate(), **validation}
+    out = {"checkpoint": str(path), "window": model.window, "weights": model.weights, **model.evaluate(), **validation}
     print(strictjson.dumps(out, indent=2))
     return 0
 

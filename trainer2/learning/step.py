@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from trainer2.components import resolve
+from trainer2.learning.averaging import WeightAverage
 from trainer2.learning.gradients import GradientSource
 from trainer2.learning.params import ParamTable
 from trainer2.learning.update import UpdateConfig, Updater
@@ -57,6 +58,7 @@ class BatchStep:
     updater: Updater
     memory: MemoryBank | None
     reducer: GradReducer | None = None  # under torchrun: averages the gathered gradient over the ranks
+    average: WeightAverage | None = None  # ema_decay > 0: the parameters' moving average, moved after each update
 
     @property
     def device(self) -> torch.device:
@@ -71,6 +73,8 @@ class BatchStep:
                 self.reducer()
         with self.relax.phase("update"):
             self.updater.apply(out, targets)
+            if self.average is not None:
+                self.average.update(self.updater.table.flat)
             if self.memory is not None:
                 self.memory.write(self.relax.s0.s[-1], targets)
 
@@ -89,10 +93,13 @@ def build_step(
     """A batch step for `batch` examples over `machine`. The learning rule `rule` (a name, trainer2.components: ep,
     ep_positive, ep_negative, chl, coupled, rbp, or a dotted path) says which phases follow the free phase and forms
     the gradient, unless another gradient source is given (it then runs the rule's phases' workspaces); under
-    torchrun (`dist.launched`) the gradients are averaged over the ranks before the update."""
+    torchrun (`dist.launched`) the gradients are averaged over the ranks before the update; with update.ema_decay > 0
+    the step also keeps the parameters' moving average (trainer2.learning.averaging)."""
     found = resolve("rule", rule)
     table = ParamTable.build(machine, update.eta_scales, update.weight_decay) if table is None else table
     updater = Updater(machine, update, table)
     reducer = GradReducer(updater.grad, dist) if dist is not None and dist.launched else None
     relax = Relaxation(machine, dynamics, batch, memory, found.scheme(dynamics))
-    return BatchStep(relax, found.gradients if gradients is None else gradients, updater, memory, reducer)
+    average = WeightAverage.of(machine, update.ema_decay) if update.ema_decay else None
+    source = found.gradients if gradients is None else gradients
+    return BatchStep(relax, source, updater, memory, reducer=reducer, average=average)

@@ -49,6 +49,14 @@ class UpdateConfig(Section):
     lr_min_ratio: float = Field(
         0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of the peak (cosine)."
     )
+    ema_decay: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Weight averaging: an exponential moving average of the parameters, moved toward them by "
+        "1 - ema_decay after every window (about the last 1 / (1 - ema_decay) windows), is what evaluation, the "
+        "summary and trainer2.load score; training itself is unchanged. 0 = off (the parameters themselves).",
+    )
     update_backend: Literal["auto", "torch", "triton"] = Field(
         "auto",
         description="Parameter update: 'torch' operators, or 'triton' (the fused update: two kernel launches over the "

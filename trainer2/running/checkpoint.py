@@ -71,6 +71,7 @@ RESUME_FREE_FIELDS = frozenset(
         "window_backend",  # how the relaxation is computed, not what: either backend's checkpoint resumes on the other
         "update_backend",  # likewise for the update
         "readout_backend",  # and for the readout's gradients
+        "ema_decay",  # what evaluation scores, not how the parameters train: an average is kept, dropped or begun anew
         "token_cache",  # where the tokens are cached; the data fingerprint says whether they are the same tokens
         # per process: the global batch (batch_size x world size) is what must match, checked by Trainer.load_checkpoint
         "batch_size",

@@ -20,6 +20,7 @@ from torch import Tensor
 from trainer2.data.dataset import DataError, Dataset, InputSpec
 from trainer2.data.images import normalised_rows
 from trainer2.data.load import DataConfig, load_data
+from trainer2.learning.averaging import PREFIX, average_keys
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.relaxation import DynamicsConfig, Relaxation
@@ -51,6 +52,7 @@ class Model:
     fingerprint: dict[str, Any]  # of the data it was trained on (trainer2.running.checkpoint.data_fingerprint)
     checkpoint: Path | None = None  # where it was loaded from, or the final checkpoint of the run that trained it
     data: Dataset | None = None
+    weights: str = "raw"  # which parameters: "raw" (the trained ones) or "average" (their moving average, ema_decay)
     relaxation: Callable[[int], Relaxation] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,10 +117,17 @@ class Model:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
 
 
-def load(path: str | Path, device: str | None = None, **overrides: Any) -> Model:
-    """The model saved in checkpoint directory `path` (parameters and memory bank; no update state). `device` and
-    other run-steering fields (eval_batches, ...) may be set; everything is checked before a tensor is copied."""
+WEIGHTS = ("auto", "average", "raw")
+
+
+def load(path: str | Path, device: str | None = None, weights: str = "auto", **overrides: Any) -> Model:
+    """The model saved in checkpoint directory `path` (parameters and memory bank; no update state). weights: "auto"
+    (the weight average where the run kept one, ema_decay > 0, as its evaluation did; else the parameters),
+    "average" or "raw". `device` and other run-steering fields (eval_batches, ...) may be set; everything is checked
+    before a tensor is copied."""
     path = Path(path)
+    if weights not in WEIGHTS:
+        raise ConfigError(f"weights: expected one of {', '.join(WEIGHTS)}, got {weights!r}")
     meta = read_meta(path)
     try:
         cfg = build_config(
@@ -142,7 +151,11 @@ def load(path: str | Path, device: str | None = None, **overrides: Any) -> Model
     if memory is not None:
         live.update(memory.tensors())
     fingerprint = None if data is None else data_fingerprint(data)
-    loaded, meta = load_checked(path, cfg, fingerprint, live, only=("param.", "memory."))
+    averages = average_keys(machine)
+    loaded, meta = load_checked(path, cfg, fingerprint, live, only=("param.", "memory.", PREFIX), optional=averages)
+    if weights == "average" and not averages <= loaded.keys():
+        raise CheckpointError(f"{path}: holds no weight average (its run had ema_decay 0); load it with weights 'raw'")
+    use = "average" if weights != "raw" and averages <= loaded.keys() else "raw"
     for k, dst in live.items():
-        dst.copy_(loaded[k])
-    return Model(cfg, machine, memory, spec, device_, int(meta["step"]), meta["data"], path, data)
+        dst.copy_(loaded[PREFIX + k.removeprefix("param.") if use == "average" and k.startswith("param.") else k])
+    return Model(cfg, machine, memory, spec, device_, int(meta["step"]), meta["data"], path, data, weights=use)

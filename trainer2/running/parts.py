@@ -64,6 +64,11 @@ def build_parts(
     """Load the data (unless given), check that what the config implies fits the data and the memory of `device` (for
     `world` processes), then build a fresh machine on it and its memory bank for `batch` rows per write
     (cfg.batch_size unless given); the same config and seed always give the same parts."""
+    if world > 1 and cfg.memory_capacity:
+        raise ConfigError(
+            "memory_capacity: the memory bank is per process and would differ between ranks; "
+            "multi-process runs need --memory_capacity 0"
+        )
     flush_denormal()  # this thread's CPU arithmetic skips the slow subnormals (trainer2.learning.subnormals)
     data = load_data(cfg.section(DataConfig), data)
     if cfg.augment_shift and data.input_shape is None:

@@ -87,7 +87,7 @@ def train(
     data = trainer.data
     model = Model(
         cfg,
-        trainer.machine,
+        trainer.scored_machine,
         trainer.memory,
         InputSpec.of(data),
         trainer.device,
@@ -95,5 +95,6 @@ def train(
         data_fingerprint(data),
         checkpoint,
         data,
+        weights="raw" if trainer.average is None else "average",
     )
     return Run(model, summary, checkpoint, target)

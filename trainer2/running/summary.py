@@ -10,6 +10,7 @@ from typing import Any
 
 from trainer2.data.dataset import Dataset
 from trainer2.io.safeio import write_replace
+from trainer2.learning.averaging import WeightAverage
 from trainer2.running.checkpointing import Progress
 
 SUMMARY_FILE = "summary.json"
@@ -58,12 +59,14 @@ def done_line(values: dict[str, Any]) -> str:
     )
 
 
-def run_header(data: Dataset, device: object, **backends: Any) -> str:
-    """What a run says it trains on, where, and with which backends (each with a `name` and a `reason`), before its
-    first window."""
+def run_header(data: Dataset, device: object, average: WeightAverage | None = None, **backends: Any) -> str:
+    """What a run says it trains on, where, with which backends (each with a `name` and a `reason`) and what its
+    evaluation scores (the weight average, when it keeps one), before its first window."""
     lines = [
         f"data: {data.source} ({data.kind}, {data.num_examples('train')} train / {data.num_examples('heldout')} "
         f"held-out examples, {data.num_classes} classes); device: {device}"
     ]
     lines += [f"{what} backend: {b.name} ({b.reason})" for what, b in backends.items()]
+    if average is not None:
+        lines.append(f"evaluation scores the weight average (ema_decay {average.decay}), not the parameters")
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from trainer2.data.augment import shift_images, window_generator
 from trainer2.data.dataset import Dataset
 from trainer2.data.sampler import STATE_KEYS as SAMPLER_KEYS
 from trainer2.data.sampler import Sampler, sampler_state
+from trainer2.learning.averaging import average_keys
 from trainer2.learning.gradients import GradientSource
 from trainer2.learning.params import ParamTable
 from trainer2.learning.step import BatchStep, build_step
@@ -57,7 +58,6 @@ from trainer2.running.signals import SignalStop, StopSignals
 from trainer2.running.step_runner import StepRunner
 from trainer2.running.summary import last_evaluation, run_header, summary, write_summary
 from trainer2.running.threads import thread_tuners
-from trainer2.section import ConfigError
 from trainer2.train_config import TrainConfig, to_yaml
 
 
@@ -74,8 +74,17 @@ class Parts:
     sampler: Sampler
 
 
+def total_windows(cfg: TrainConfig, batches_per_epoch: float) -> int:
+    """Windows a run will do: the tighter of max_windows and max_epochs (epochs of `batches_per_epoch` windows)."""
+    limits = [] if cfg.max_windows is None else [cfg.max_windows]
+    if cfg.max_epochs is not None:
+        limits.append(math.ceil(cfg.max_epochs * batches_per_epoch))
+    return min(limits)
+
+
 class Trainer:
-    """setup (in __init__) / train / evaluate; state_tensors, save_checkpoint and load_checkpoint for checkpoints."""
+    """setup (in __init__) / train / evaluate; state_tensors, save_checkpoint and load_checkpoint for checkpoints.
+    Evaluation and the run's model score `scored_machine`: the weight average when ema_decay > 0, else the machine."""
 
     def __init__(
         self,
@@ -90,11 +99,6 @@ class Trainer:
         self.cfg, self.log = cfg, log
         self.resume_hint = resume_command(cfg) if resume_hint is None else resume_hint  # summary.json's, when stopped
         self.dist = Distributed() if dist is None else dist  # one process unless torchrun started this one
-        if self.dist.world_size > 1 and cfg.memory_capacity:
-            raise ConfigError(
-                "memory_capacity: the memory bank is per process and would differ between ranks; "
-                "multi-process runs need --memory_capacity 0"
-            )
         self.device = self.dist.place(resolve_device(cfg), cfg.device)
         torch.manual_seed(cfg.seed)  # the global RNGs too, so anything drawing from them repeats (and is checkpointed)
         set_library_switches(cfg)
@@ -110,7 +114,7 @@ class Trainer:
         )
         self.progress = Progress()
         self.history: list[dict[str, Any]] = []
-        self.scoring = relaxation_cache(built.machine, dynamics, built.memory)  # relaxations without update state
+        self.scoring = relaxation_cache(self.scored_machine, dynamics, built.memory)  # the average's, when kept
         self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
         self.run_id = uuid.uuid4().hex  # stamps this run's checkpoints: pruning removes only those (a resume keeps it)
         self.saved_at = -1  # window of the last checkpoint this trainer saved or loaded
@@ -139,13 +143,8 @@ class Trainer:
     gradients = property(lambda self: self.parts.batch_step.gradients, doc="The gradient source every step calls.")
     updater = property(lambda self: self.parts.batch_step.updater)
     relaxation = property(lambda self: self.parts.batch_step.relax)
-
-    def total_windows(self) -> int:
-        """Windows this run will do: the tighter of max_windows and max_epochs."""
-        limits = [] if self.cfg.max_windows is None else [self.cfg.max_windows]
-        if self.cfg.max_epochs is not None:
-            limits.append(math.ceil(self.cfg.max_epochs * self.sampler.batches_per_epoch))
-        return min(limits)
+    average = property(lambda self: self.parts.batch_step.average, doc="The weight average (None: ema_decay 0).")
+    scored_machine = property(lambda self: self.machine if self.average is None else self.average.machine)
 
     # --- training ---
 
@@ -160,14 +159,14 @@ class Trainer:
 
     @torch.no_grad()
     def train(self) -> dict[str, Any]:
-        """Run to total_windows(), save a checkpoint and the summary, and return the summary. The first stop signal
+        """Run to total_windows, save a checkpoint and the summary, and return the summary. The first stop signal
         (trainer2.running.signals) stops the run after the current window, still saving both (summary["interrupted"]
         names the signal, summary["resume_command"] continues the run); a divergence stops it without saving, and
         raises Diverged."""
-        total = self.total_windows()
+        total = total_windows(self.cfg, self.sampler.batches_per_epoch)
         self.log("config:\n" + to_yaml(self.cfg).rstrip())
         backends = {"window": self.relaxation.backend, "readout": self.relaxation.readout_backend}
-        self.log(run_header(self.data, self.device, **backends, update=self.updater.backend))
+        self.log(run_header(self.data, self.device, self.average, **backends, update=self.updater.backend))
         if self.dist.is_main:
             claim(self.run_dir, self.run_id)
         state = LoopState(self.progress.window, total, eager=self.monitor.eager)
@@ -252,7 +251,7 @@ class Trainer:
         out.update(self.updater.tensors())
         if self.memory is not None:
             out.update(self.memory.tensors())
-        return out
+        return out | (self.average.tensors() if self.average is not None else {})
 
     def checkpoint_tensors(self) -> dict[str, Tensor]:
         """The tensors of a checkpoint: the live state, the sampler's state and the RNG states."""
@@ -282,6 +281,7 @@ class Trainer:
         copied, and a captured graph is captured again after warm-up."""
         path = Path(path)
         optional = frozenset({"rng.cuda", *(f"metrics.{k}" for k in ADDED_METRICS)}) | SAMPLER_KEYS  # older: absent
+        optional |= average_keys(self.machine)  # ema_decay may change on resume: an average is kept or taken up anew
         fingerprint = ck.data_fingerprint(self.data)
         loaded, meta = ck.load_checked(path, self.cfg, fingerprint, self.checkpoint_tensors(), optional=optional)
         check_sampler(loaded, self.sampler, path)
@@ -289,6 +289,8 @@ class Trainer:
         check_global_batch(meta, path, self.cfg.batch_size, self.dist.world_size)
         for k, dst in self.state_tensors().items():  # a metric sum added since the checkpoint (ADDED_METRICS): from 0
             dst.copy_(loaded[k]) if k in loaded else dst.zero_()
+        if self.average is not None and self.average.begun_anew(loaded, self.params.flat):
+            self.log(f"note: checkpoint {path} holds no weight average; it starts here from the resumed parameters")
         self.sampler.load_state_dict(sampler_state(loaded))
         restore_rng(loaded, self.device)
         restore_counters(self.progress, meta)
@@ -316,6 +318,7 @@ class Trainer:
             window_backend=self.relaxation.backend.name,
             update_backend=self.updater.backend.name,
             readout_backend=self.relaxation.readout_backend.name,
+            scored_weights="raw" if self.average is None else "average",
             interrupted=interrupted,
             **({"resume_command": self.resume_hint} if interrupted else {}),  # the terminal may be gone
             diverged=diverged is not None,

@@ -1,0 +1,115 @@
+"""Weight averaging (ema_decay): the average follows the parameters' trajectory by its formula, training is unchanged,
+evaluation, the summary, the run's model, `load` and `evaluate` score the average, and checkpoints keep it through a
+resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import trainer2
+from trainer2.cli import main
+from trainer2.running.trainer import Trainer
+
+TINY = dict(
+    layers=[{"dense": 12}],
+    coord_dim_n=4,
+    rotor_k=3,
+    batch_size=16,
+    free_steps=8,
+    nudge_steps=4,
+    max_windows=20,
+    log_every_windows=10,
+    eval_every_windows=0,
+    eta_update=0.02,
+    heldout_fraction=0.2,
+)
+
+
+def quiet(msg: str) -> None:
+    del msg
+
+
+@pytest.fixture
+def blobs(tmp_path) -> Path:
+    """Three Gaussian blobs in six dimensions as an .npz file (the last fifth held out)."""
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 300)
+    x = (rng.normal(size=(3, 6))[y] * 2 + rng.normal(size=(300, 6)) * 0.5).astype(np.float32)
+    np.savez(tmp_path / "blobs.npz", x=x, y=y)
+    return tmp_path / "blobs.npz"
+
+
+def tiny(data: Path, **overrides) -> trainer2.TrainConfig:
+    return trainer2.config(None, **{**TINY, "data": str(data), **overrides})
+
+
+def test_the_average_follows_the_parameters_by_its_formula_and_training_is_unchanged(blobs):
+    plain = Trainer(tiny(blobs), log=quiet)
+    averaged = Trainer(tiny(blobs, ema_decay=0.8), log=quiet)
+    expected = averaged.params.flat.clone()  # the average starts at the initial parameters
+    assert torch.equal(averaged.average.machine.flat, expected)
+    for _ in range(6):
+        for t in (plain, averaged):
+            t.runner.step(*t.next_batch())
+        expected = 0.8 * expected + 0.2 * averaged.params.flat
+    assert torch.equal(plain.params.flat, averaged.params.flat)  # training never reads the average
+    assert torch.allclose(averaged.average.machine.flat, expected, rtol=0, atol=1e-6)
+    assert not torch.allclose(averaged.average.machine.flat, averaged.params.flat, atol=1e-4)  # it lags behind
+    assert plain.average is None and plain.scored_machine is plain.machine
+    assert averaged.scored_machine is averaged.average.machine
+
+
+def test_evaluation_the_summary_the_model_and_load_score_the_average(blobs, tmp_path):
+    lines: list[str] = []
+    run = trainer2.train(tiny(blobs, ema_decay=0.9), run_dir=tmp_path / "a", log=lines.append)
+    assert run.summary["scored_weights"] == "average" and run.model.weights == "average"
+    assert any("weight average (ema_decay 0.9)" in line for line in lines)  # the run says what it scores
+    auto, raw = trainer2.load(run.checkpoint), trainer2.load(run.checkpoint, weights="raw")
+    assert auto.weights == "average" and raw.weights == "raw"
+    assert torch.equal(auto.machine.flat, run.model.machine.flat)
+    scored = auto.evaluate()
+    assert scored["heldout_loss"] == pytest.approx(run.summary["heldout_loss"], rel=1e-6)
+    assert raw.evaluate()["heldout_loss"] != pytest.approx(scored["heldout_loss"], rel=1e-6)
+    plain = trainer2.train(tiny(blobs), run_dir=tmp_path / "b", log=quiet)
+    assert plain.summary["scored_weights"] == "raw"
+    assert torch.equal(trainer2.load(plain.checkpoint).machine.flat, raw.machine.flat)  # the same training
+    with pytest.raises(trainer2.CheckpointError, match="holds no weight average.*ema_decay 0"):
+        trainer2.load(plain.checkpoint, weights="average")
+    with pytest.raises(trainer2.ConfigError, match="weights: expected one of auto, average, raw"):
+        trainer2.load(plain.checkpoint, weights="ema")
+
+
+def test_a_resume_keeps_the_average_and_one_without_an_average_begins_it_there(blobs, tmp_path):
+    whole = trainer2.train(tiny(blobs, ema_decay=0.9), run_dir=tmp_path / "whole", log=quiet)
+    trainer2.train(tiny(blobs, ema_decay=0.9, max_windows=10), run_dir=tmp_path / "split", log=quiet)
+    resumed = trainer2.train(tiny(blobs, ema_decay=0.9), run_dir=tmp_path / "split", resume="latest", log=quiet)
+    assert torch.equal(resumed.model.machine.flat, whole.model.machine.flat)  # the average came back bitwise
+
+    trainer2.train(tiny(blobs, max_windows=10), run_dir=tmp_path / "late", log=quiet)
+    lines: list[str] = []
+    late = Trainer(tiny(blobs, ema_decay=0.9), log=lines.append)
+    late.load_checkpoint(tmp_path / "late" / "step_00000010")
+    assert torch.equal(late.average.machine.flat, late.params.flat)  # begun anew from the resumed parameters
+    assert any("holds no weight average" in line for line in lines)
+    dropped = Trainer(tiny(blobs), log=quiet)
+    dropped.load_checkpoint(tmp_path / "split" / "step_00000010")  # ema_decay 0 now: the saved average is not read
+    assert dropped.average is None and torch.equal(dropped.params.flat, late.params.flat)
+
+
+def test_the_decay_is_checked_and_the_command_line_scores_either_weights(blobs, tmp_path, capsys):
+    with pytest.raises(trainer2.ConfigError, match="ema_decay"):
+        tiny(blobs, ema_decay=1.0)
+    run = trainer2.train(tiny(blobs, ema_decay=0.5), run_dir=tmp_path / "c", log=quiet)
+    capsys.readouterr()
+    figures = {}
+    for weights in ("auto", "raw"):
+        assert main(["evaluate", "--checkpoint", str(run.checkpoint), "--weights", weights]) == 0
+        figures[weights] = json.loads(capsys.readouterr().out)
+    assert figures["auto"]["weights"] == "average" and figures["raw"]["weights"] == "raw"
+    assert figures["auto"]["heldout_loss"] == pytest.approx(run.summary["heldout_loss"], rel=1e-6)
+    assert figures["raw"]["heldout_loss"] != pytest.approx(figures["auto"]["heldout_loss"], rel=1e-6)
