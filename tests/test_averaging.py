@@ -4,12 +4,15 @@ resume."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import trainer2
 from trainer2.cli import main
@@ -113,3 +116,38 @@ def test_the_decay_is_checked_and_the_command_line_scores_either_weights(blobs, 
     assert figures["auto"]["weights"] == "average" and figures["raw"]["weights"] == "raw"
     assert figures["auto"]["heldout_loss"] == pytest.approx(run.summary["heldout_loss"], rel=1e-6)
     assert figures["raw"]["heldout_loss"] != pytest.approx(figures["auto"]["heldout_loss"], rel=1e-6)
+
+
+def test_the_rotor_angles_are_averaged_on_the_circle(blobs):
+    averaged = Trainer(tiny(blobs, ema_decay=0.75), log=quiet)
+    avg, theta = averaged.average.machine.readout.theta, averaged.machine.readout.theta
+    avg.fill_(math.pi - 0.05)
+    theta.fill_(-math.pi + 0.05)  # 0.1 rad further round, past the wrap (a plain lerp would land near pi / 2)
+    averaged.batch_step.average.update()
+    assert torch.allclose(avg, torch.full_like(avg, math.pi - 0.025), atol=1e-6)
+    theta.fill_(-math.pi + 0.3)  # now the average steps past pi and wraps to [-pi, pi) as the parameters do
+    averaged.batch_step.average.update()
+    assert torch.allclose(avg, torch.full_like(avg, -math.pi + 0.05625), atol=1e-6)  # pi - 0.025 + 0.25 * 0.325
+
+
+def test_load_checks_the_averages_shapes_before_copying_them(blobs, tmp_path):
+    run = trainer2.train(tiny(blobs, ema_decay=0.5), run_dir=tmp_path / "d", log=quiet)
+    tensors = load_file(str(run.checkpoint / "tensors.safetensors"))
+    tensors["average.g_diag"] = tensors["average.g_diag"][:1].clone()  # one value, which copy_ would broadcast
+    save_file(tensors, str(run.checkpoint / "tensors.safetensors"))
+    meta = json.loads((run.checkpoint / "meta.json").read_text())
+    data = (run.checkpoint / "tensors.safetensors").read_bytes()
+    meta["tensors"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())  # intact but for the shape
+    (run.checkpoint / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(trainer2.CheckpointError, match="average.g_diag.*expected"):
+        trainer2.load(run.checkpoint)
+
+
+def test_sample_says_which_weights_it_generates_with(small_text, tmp_path, capsys):
+    cfg = trainer2.config(None, **{**TINY, "data": str(small_text), "heldout_fraction": 0.1, "ema_decay": 0.5})
+    run = trainer2.train(cfg, run_dir=tmp_path / "t", log=quiet)
+    capsys.readouterr()
+    for weights, said in (("auto", "average weights"), ("raw", "raw weights")):
+        argv = ["sample", "--checkpoint", str(run.checkpoint), "--length", "5", "--weights", weights]
+        assert main(argv) == 0
+        assert said in capsys.readouterr().err

@@ -28,6 +28,7 @@ from trainer2.presets import preset_names, preset_path
 from trainer2.running.checkpoint import CheckpointError, read_meta
 from trainer2.running.distributed import DistributedError, init_distributed, rank_label
 from trainer2.running.health import Diverged
+from trainer2.running.model import WEIGHTS, WEIGHTS_HELP
 from trainer2.running.resume import fresh_layers, resume_command, resume_config, resume_layers, resume_target
 from trainer2.running.rundir import RunDirError
 from trainer2.running.signals import exit_code
@@ -149,19 +150,13 @@ def cmd_evaluate(argv: list[str]) -> int:
         metavar="N",
         help="Held-out batches of 512 to score; none = all (default: the checkpoint's).",
     )
-    p.add_argument(
-        "--weights",
-        choices=("auto", "average", "raw"),
-        default="auto",
-        help="Which parameters to score: the weight average the run kept (ema_decay > 0), the raw ones, or auto: the "
-        "average where there is one.",
-    )
+    p.add_argument("--weights", choices=WEIGHTS, default="auto", help=WEIGHTS_HELP)
     args = vars(p.parse_args(argv))
     path = Path(args.pop("checkpoint"))
     from trainer2.running.model import load
 
     model = load(path, **args)
-    print(f"loaded {path} (window {model.window})", file=sys.stderr)
+    print(f"loaded {path} (window {model.window}, {model.weights} weights)", file=sys.stderr)
     validation = model.evaluate(split="validation") if model.cfg.validation_fraction else {}
     out = {"checkpoint": str(path), "window": model.window, "weights": model.weights, **model.evaluate(), **validation}
     print(strictjson.dumps(out, indent=2))

@@ -1,15 +1,19 @@
 """Weight averaging: an exponential moving average of the parameters, kept as a second machine that evaluation reads.
 
 After every update, `average <- decay * average + (1 - decay) * parameters` (one `lerp_` over the flat buffer, inside
-the batch step, so a captured graph or a compiled step runs it too). Training never reads the average: the run's
-arithmetic is the same with or without it. The constraints hold for the average as well (a spectral norm below a cap
-and the readout's clamps are convex), so it is a machine like any other. Polyak & Juditsky 1992; timm's ModelEmaV2.
+the batch step, so a captured graph or a compiled step runs it too); the rotor's angles, which the update wraps to
+[-pi, pi), are averaged on the circle (the turn toward each angle taken the short way round). Training never reads the
+average: the run's arithmetic is the same with or without it. The average keeps the constraints (a spectral norm below
+a cap and the readout's clamps are convex sets), so it is a machine like any other. Polyak & Juditsky 1992; timm's
+ModelEmaV2.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from trainer2.physics.machine import Machine, move_machine
@@ -19,27 +23,35 @@ PREFIX = "average."  # checkpoint keys of the averaged parameters: average.<para
 
 @dataclass(frozen=True)
 class WeightAverage:
-    """The averaged parameters as a machine of their own (`machine.flat` is the average, (P,)), and the decay per
-    window."""
+    """The average of `source`'s parameters as a machine of its own (`machine.flat` is the average, (P,)), the decay
+    per window, and a scratch buffer for the angles' turns (rotor_k,)."""
 
     machine: Machine
+    source: Machine
     decay: float
+    turn: Tensor
 
     @staticmethod
     def of(machine: Machine, decay: float) -> "WeightAverage":
         """An average of `machine`'s parameters that starts at their current values."""
-        return WeightAverage(move_machine(machine, machine.flat.device), decay)
+        return WeightAverage(move_machine(machine, machine.flat.device), machine, decay, machine.readout.theta.clone())
 
-    def update(self, flat: Tensor) -> None:
-        """Move the average toward the parameters `flat` (P,) by 1 - decay; no allocation, no host sync."""
-        self.machine.flat.lerp_(flat, 1.0 - self.decay)
+    def update(self) -> None:
+        """Move the average toward the parameters by 1 - decay; no allocation, no host sync."""
+        w, avg = 1.0 - self.decay, self.machine.readout.theta
+        if self.turn.numel():  # the angles: avg + w * (the turn to theta, wrapped to [-pi, pi)), then wrapped
+            torch.sub(self.source.readout.theta, avg, out=self.turn).add_(math.pi).remainder_(2 * math.pi)
+            self.turn.sub_(math.pi).mul_(w).add_(avg)
+        self.machine.flat.lerp_(self.source.flat, w)
+        if self.turn.numel():
+            avg.copy_(self.turn).add_(math.pi).remainder_(2 * math.pi).sub_(math.pi)
 
-    def begun_anew(self, loaded: dict[str, Tensor], flat: Tensor) -> bool:
+    def begun_anew(self, loaded: dict[str, Tensor]) -> bool:
         """After a resume from the tensors `loaded`: when they hold no average (a run with ema_decay 0, or older),
-        start it at the resumed parameters `flat` and return True."""
+        start it at the resumed parameters and return True."""
         if set(self.tensors()) <= loaded.keys():
             return False
-        self.machine.flat.copy_(flat)
+        self.machine.flat.copy_(self.source.flat)
         return True
 
     def tensors(self) -> dict[str, Tensor]:

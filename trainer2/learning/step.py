@@ -74,7 +74,7 @@ class BatchStep:
         with self.relax.phase("update"):
             self.updater.apply(out, targets)
             if self.average is not None:
-                self.average.update(self.updater.table.flat)
+                self.average.update()
             if self.memory is not None:
                 self.memory.write(self.relax.s0.s[-1], targets)
 

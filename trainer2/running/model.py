@@ -118,6 +118,10 @@ class Model:
 
 
 WEIGHTS = ("auto", "average", "raw")
+WEIGHTS_HELP = (
+    "Which parameters: the weight average the run kept (ema_decay > 0), the raw ones, or auto (default): the average "
+    "where there is one."
+)
 
 
 def load(path: str | Path, device: str | None = None, weights: str = "auto", **overrides: Any) -> Model:
@@ -147,7 +151,8 @@ def load(path: str | Path, device: str | None = None, weights: str = "auto", **o
     device_ = resolve_device(cfg)
     counts = (int(meta["data"].get("num_train") or cfg.batch_size), int(meta["data"].get("num_heldout") or 1))
     machine, memory = build_machine_for(cfg, spec, device_, counts)
-    live = {f"param.{k}": v for k, v in machine.named_params().items()}
+    named = machine.named_params()  # the parameters, or their average, go into it: both are checked
+    live = {f"param.{k}": v for k, v in named.items()} | {PREFIX + k: v for k, v in named.items()}
     if memory is not None:
         live.update(memory.tensors())
     fingerprint = None if data is None else data_fingerprint(data)
@@ -156,6 +161,8 @@ def load(path: str | Path, device: str | None = None, weights: str = "auto", **o
     if weights == "average" and not averages <= loaded.keys():
         raise CheckpointError(f"{path}: holds no weight average (its run had ema_decay 0); load it with weights 'raw'")
     use = "average" if weights != "raw" and averages <= loaded.keys() else "raw"
+    skip = "param." if use == "average" else PREFIX
     for k, dst in live.items():
-        dst.copy_(loaded[PREFIX + k.removeprefix("param.") if use == "average" and k.startswith("param.") else k])
+        if not k.startswith(skip):
+            dst.copy_(loaded[k])
     return Model(cfg, machine, memory, spec, device_, int(meta["step"]), meta["data"], path, data, weights=use)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from trainer2.data.dataset import encode
 from trainer2.physics.relaxation import Relaxation
-from trainer2.running.model import load
+from trainer2.running.model import WEIGHTS, WEIGHTS_HELP, load
 from trainer2.section import ConfigError
 
 MAX_LENGTH = 1_000_000  # characters per call: one free phase each, so about a day of CPU at the limit
@@ -91,6 +91,7 @@ def sample_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="Seed of the sampling generator (default: 0).")
     p.add_argument("--device", default="cpu", help="Device to run on (default: cpu).")
+    p.add_argument("--weights", choices=WEIGHTS, default="auto", help=WEIGHTS_HELP)
     return p
 
 
@@ -103,8 +104,8 @@ def cmd_sample(argv: list[str]) -> int:
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not -(2**63) <= args.seed < 2**64:
         p.error(f"--seed must be in -2**63..2**64-1 (what torch.Generator takes), got {args.seed}")
-    model = load(args.checkpoint, device=args.device)
-    print(f"loaded {args.checkpoint} (window {model.window})", file=sys.stderr)
+    model = load(args.checkpoint, device=args.device, weights=args.weights)
+    print(f"loaded {args.checkpoint} (window {model.window}, {model.weights} weights)", file=sys.stderr)
     vocab = list(model.inputs.vocab)
     if not vocab:
         raise ConfigError(

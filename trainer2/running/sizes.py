@@ -80,7 +80,7 @@ def needs(cfg: TrainConfig, spec: InputSpec, heldout: int) -> list[Need]:
     ops = max(kind.workspace_bytes(below, spec, op_rows, s) for kind, spec, below in couplings)
     step = s * (3 * n + 3)  # (q, velocity, z) history per row and step
     return [
-        Need("parameters and update state", width_field, 8 * params * s),
+        Need("parameters and update state", width_field, (9 if cfg.ema_decay else 8) * params * s),  # + the average
         Need("the relaxation state (rows x layer widths)", by_rows(width_field), rows * per_row),
         Need("the couplings' own buffers (rows x their outputs)", by_rows("layers"), ops),
         Need("the free phase's step history (rows x steps)", by_rows("free_steps"), rows * cfg.free_steps * step),

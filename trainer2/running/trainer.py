@@ -289,7 +289,7 @@ class Trainer:
         check_global_batch(meta, path, self.cfg.batch_size, self.dist.world_size)
         for k, dst in self.state_tensors().items():  # a metric sum added since the checkpoint (ADDED_METRICS): from 0
             dst.copy_(loaded[k]) if k in loaded else dst.zero_()
-        if self.average is not None and self.average.begun_anew(loaded, self.params.flat):
+        if self.average is not None and self.average.begun_anew(loaded):
             self.log(f"note: checkpoint {path} holds no weight average; it starts here from the resumed parameters")
         self.sampler.load_state_dict(sampler_state(loaded))
         restore_rng(loaded, self.device)
