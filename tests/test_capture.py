@@ -53,8 +53,10 @@ SHORT = {"free_steps": 2, "nudge_steps": 1}  # compile time grows with the unrol
 
 
 def fresh_step(device: str = "cpu", gradients: GradientSource = ep_gradients, **overrides) -> BatchStep:
-    """A batch step with a memory bank, so the step also writes memory; identical for identical arguments."""
-    cfg = tiny_config(**{"free_steps": 6, "nudge_steps": 3, "beta_nudge": 0.05, "memory_capacity": 12, **overrides})
+    """A batch step with a memory bank and a weight average, so the step also writes memory and moves the average;
+    identical for identical arguments."""
+    base = {"free_steps": 6, "nudge_steps": 3, "beta_nudge": 0.05, "memory_capacity": 12, "ema_decay": 0.9}
+    cfg = tiny_config(**{**base, **overrides})
     m = move_machine(tiny_machine(cfg, V), torch.device(device))
     mem = MemoryBank.allocate(cfg.memory_capacity, cfg.coord_dim_n, cfg.batch_size, m.readout.protos)
     return build_step(m, cfg, cfg, cfg.batch_size, mem, gradients)
@@ -141,6 +143,7 @@ def test_step_tensors_cover_everything_the_step_updates():
         *relax.m.named_params().values(),
         *upd.tensors().values(),
         *step.memory.tensors().values(),
+        *step.average.tensors().values(),
         *relax.ws.state.s,
         *relax.s0.p,
         relax.ws.readout.pi,
