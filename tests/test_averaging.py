@@ -53,13 +53,14 @@ def tiny(data: Path, **overrides) -> trainer2.TrainConfig:
 
 def test_the_average_follows_the_parameters_by_its_formula_and_training_is_unchanged(blobs):
     plain = Trainer(tiny(blobs), log=quiet)
-    averaged = Trainer(tiny(blobs, ema_decay=0.8), log=quiet)
+    averaged = Trainer(tiny(blobs, ema_decay=0.5), log=quiet)
     expected = averaged.params.flat.clone()  # the average starts at the initial parameters
     assert torch.equal(averaged.average.machine.flat, expected)
-    for _ in range(6):
-        for t in (plain, averaged):
-            t.runner.step(*t.next_batch())
-        expected = 0.8 * expected + 0.2 * averaged.params.flat
+    for t in range(12):  # d = min(0.5, (1 + t) / (10 + t)): the warm-up's decay until t = 8, then 0.5
+        for trainer in (plain, averaged):
+            trainer.runner.step(*trainer.next_batch())
+        d = min(0.5, (1 + t) / (10 + t))
+        expected = d * expected + (1 - d) * averaged.params.flat
     assert torch.equal(plain.params.flat, averaged.params.flat)  # training never reads the average
     assert torch.allclose(averaged.average.machine.flat, expected, rtol=0, atol=1e-6)
     assert not torch.allclose(averaged.average.machine.flat, averaged.params.flat, atol=1e-4)  # it lags behind
@@ -121,6 +122,7 @@ def test_the_decay_is_checked_and_the_command_line_scores_either_weights(blobs, 
 def test_the_rotor_angles_are_averaged_on_the_circle(blobs):
     averaged = Trainer(tiny(blobs, ema_decay=0.75), log=quiet)
     avg, theta = averaged.average.machine.readout.theta, averaged.machine.readout.theta
+    averaged.average.count.fill_(1000.0)  # past the warm-up: each update moves the average by 1 - 0.75
     avg.fill_(math.pi - 0.05)
     theta.fill_(-math.pi + 0.05)  # 0.1 rad further round, past the wrap (a plain lerp would land near pi / 2)
     averaged.batch_step.average.update()

@@ -1,8 +1,12 @@
 """Weight averaging: an exponential moving average of the parameters, kept as a second machine that evaluation reads.
 
-After every update, `average <- decay * average + (1 - decay) * parameters` (one `lerp_` over the flat buffer, inside
-the batch step, so a captured graph or a compiled step runs it too); the rotor's angles, which the update wraps to
-[-pi, pi), are averaged on the circle (the turn toward each angle taken the short way round). Training never reads the
+After the t-th update (t = 0, 1, ...), `average <- d * average + (1 - d) * parameters` with
+`d = min(decay, (1 + t) / (10 + t))`: early on the average spans about the last tenth of the windows so far, so a short
+run's average is not held near the initial parameters, and from t = 9 / (1 - decay) - 10 on it is the plain exponential
+average (TensorFlow's ExponentialMovingAverage with num_updates; timm's ModelEma). One `lerp_` over the flat buffer
+and a few 1-element operators, inside the batch step, so a captured graph or a compiled step runs it too; the rotor's
+angles, which the update wraps to [-pi, pi), are averaged on the circle (the turn toward each angle taken the short
+way round). Training never reads the
 average: the run's arithmetic is the same with or without it. The average keeps the constraints (a spectral norm below
 a cap and the readout's clamps are convex sets), so it is a machine like any other. Polyak & Juditsky 1992; timm's
 ModelEmaV2.
@@ -19,26 +23,33 @@ from torch import Tensor
 from trainer2.physics.machine import Machine, move_machine
 
 PREFIX = "average."  # checkpoint keys of the averaged parameters: average.<parameter name>
+COUNT = "averaging.updates"  # checkpoint key of the number of updates averaged (t), (1,)
 
 
 @dataclass(frozen=True)
 class WeightAverage:
     """The average of `source`'s parameters as a machine of its own (`machine.flat` is the average, (P,)), the decay
-    per window, and a scratch buffer for the angles' turns (rotor_k,)."""
+    per window, the updates averaged so far t (1,), and scratch buffers for this update's weight 1 - d (1,) and the
+    angles' turns (rotor_k,)."""
 
     machine: Machine
     source: Machine
     decay: float
+    count: Tensor
+    weight: Tensor
     turn: Tensor
 
     @staticmethod
     def of(machine: Machine, decay: float) -> "WeightAverage":
         """An average of `machine`'s parameters that starts at their current values."""
-        return WeightAverage(move_machine(machine, machine.flat.device), machine, decay, machine.readout.theta.clone())
+        average, zero = move_machine(machine, machine.flat.device), machine.flat.new_zeros(1)
+        return WeightAverage(average, machine, decay, zero, zero.clone(), machine.readout.theta.clone())
 
     def update(self) -> None:
-        """Move the average toward the parameters by 1 - decay; no allocation, no host sync."""
-        w, avg = 1.0 - self.decay, self.machine.readout.theta
+        """Move the average toward the parameters by 1 - d (module docstring); no allocation, no host sync."""
+        w, avg = self.weight, self.machine.readout.theta
+        torch.add(self.count, 10.0, out=w).reciprocal_().mul_(9.0).clamp_(min=1.0 - self.decay)  # 1 - d
+        self.count.add_(1.0)
         if self.turn.numel():  # the angles: avg + w * (the turn to theta, wrapped to [-pi, pi)), then wrapped
             torch.sub(self.source.readout.theta, avg, out=self.turn).add_(math.pi).remainder_(2 * math.pi)
             self.turn.sub_(math.pi).mul_(w).add_(avg)
@@ -48,18 +59,19 @@ class WeightAverage:
 
     def begun_anew(self, loaded: dict[str, Tensor]) -> bool:
         """After a resume from the tensors `loaded`: when they hold no average (a run with ema_decay 0, or older),
-        start it at the resumed parameters and return True."""
+        start it at the resumed parameters, from t = 0, and return True."""
         if set(self.tensors()) <= loaded.keys():
             return False
         self.machine.flat.copy_(self.source.flat)
+        self.count.zero_()
         return True
 
     def tensors(self) -> dict[str, Tensor]:
-        """The averaged parameters by checkpoint key (views that loading copies into)."""
-        return {PREFIX + n: v for n, v in self.machine.named_params().items()}
+        """The averaged parameters and the update count by checkpoint key (views that loading copies into)."""
+        return {**{PREFIX + n: v for n, v in self.machine.named_params().items()}, COUNT: self.count}
 
 
 def average_keys(machine: Machine) -> frozenset[str]:
     """The checkpoint keys an average of `machine` would have: optional on load, as checkpoints written without
     averaging (or before it existed) hold none."""
-    return frozenset(PREFIX + n for n in machine.named_params())
+    return frozenset(PREFIX + n for n in machine.named_params()) | {COUNT}
