@@ -127,9 +127,13 @@ def test_the_rotor_angles_are_averaged_on_the_circle(blobs):
     theta.fill_(-math.pi + 0.05)  # 0.1 rad further round, past the wrap (a plain lerp would land near pi / 2)
     averaged.batch_step.average.update()
     assert torch.allclose(avg, torch.full_like(avg, math.pi - 0.025), atol=1e-6)
-    theta.fill_(-math.pi + 0.3)  # now the average steps past pi and wraps to [-pi, pi) as the parameters do
+    theta.fill_(-math.pi + 0.3)  # the average steps past pi: the same angle as -pi + 0.05625
     averaged.batch_step.average.update()
-    assert torch.allclose(avg, torch.full_like(avg, -math.pi + 0.05625), atol=1e-6)  # pi - 0.025 + 0.25 * 0.325
+    assert torch.allclose(avg, torch.full_like(avg, math.pi + 0.05625), atol=1e-6)  # pi - 0.025 + 0.25 * 0.325
+    theta.fill_(-math.pi + 0.3)
+    for _ in range(60):  # and it keeps within pi of the parameters, converging on them the short way round
+        averaged.batch_step.average.update()
+    assert torch.allclose(avg, theta + 2 * math.pi, atol=1e-6)
 
 
 def test_load_checks_the_averages_shapes_before_copying_them(blobs, tmp_path):
