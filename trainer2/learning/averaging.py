@@ -6,7 +6,7 @@ run's average is not held near the initial parameters, and from t = 9 / (1 - dec
 average (TensorFlow's ExponentialMovingAverage with num_updates; timm's ModelEma). One `lerp_` over the flat buffer
 and a few 1-element operators, inside the batch step, so a captured graph or a compiled step runs it too; the rotor's
 angles, which the update wraps to [-pi, pi), are averaged on the circle (the turn toward each angle taken the short
-way round; the averaged angles stay within pi of the parameters', not wrapped themselves). Training never reads the
+way round, and wrapped to [-pi, pi) as the parameters are). Training never reads the
 average: the run's arithmetic is the same with or without it. The average keeps the constraints (a spectral norm below
 a cap and the readout's clamps are convex sets), so it is a machine like any other. Polyak & Juditsky 1992; timm's
 ModelEmaV2.
@@ -51,12 +51,13 @@ class WeightAverage:
         torch.add(self.count, 10.0, out=w).reciprocal_().mul_(9.0).clamp_(min=1.0 - self.decay)  # 1 - d
         self.count.add_(1.0)
         # The angles move by w times the turn to theta the short way round, theta - avg - 2 pi k: k (the whole turns
-        # in theta - avg) before the lerp, then 2 pi k w taken back off
+        # in theta - avg) before the lerp, then 2 pi k w taken back off, and the result wrapped (else an angle that
+        # keeps winding would take its average ever further from 0, losing precision)
         if self.turn.numel():
             torch.sub(self.source.readout.theta, avg, out=self.turn).mul_(1.0 / (2 * math.pi)).round_()
         self.machine.flat.lerp_(self.source.flat, w)
         if self.turn.numel():
-            avg.addcmul_(self.turn, w, value=-2 * math.pi)
+            avg.addcmul_(self.turn, w, value=-2 * math.pi).add_(math.pi).remainder_(2 * math.pi).sub_(math.pi)
 
     def begun_anew(self, loaded: dict[str, Tensor]) -> bool:
         """After a resume from the tensors `loaded`: when they hold no average (a run with ema_decay 0, or older),

@@ -53,9 +53,10 @@ class UpdateConfig(Section):
         0.0,
         ge=0.0,
         lt=1.0,
-        description="Weight averaging: an exponential moving average of the parameters, moved toward them by "
-        "1 - ema_decay after every window (about the last 1 / (1 - ema_decay) windows), is what evaluation, the "
-        "summary and trainer2.load score; training itself is unchanged. 0 = off (the parameters themselves).",
+        description="Weight averaging: evaluation, the summary and trainer2.load score a moving average of the "
+        "parameters, moved toward them by 1 - d after the t-th window with d = min(ema_decay, (1 + t) / (10 + t)) "
+        "(a warm-up; then about the last 1 / (1 - ema_decay) windows); training itself is unchanged. 0 = off (the "
+        "parameters themselves).",
     )
     update_backend: Literal["auto", "torch", "triton"] = Field(
         "auto",

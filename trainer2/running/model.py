@@ -159,7 +159,10 @@ def load(path: str | Path, device: str | None = None, weights: str = "auto", **o
     averages = frozenset(PREFIX + k for k in named)
     loaded, meta = load_checked(path, cfg, fingerprint, live, only=("param.", "memory.", PREFIX), optional=averages)
     if weights == "average" and not averages <= loaded.keys():
-        raise CheckpointError(f"{path}: holds no weight average (its run had ema_decay 0); load it with weights 'raw'")
+        raise CheckpointError(
+            f"{path}: holds no weight average (its run had ema_decay 0); score its parameters with --weights raw "
+            "(weights='raw' in Python)"
+        )
     use = "average" if weights != "raw" and averages <= loaded.keys() else "raw"
     skip = "param." if use == "average" else PREFIX
     for k, dst in live.items():
