@@ -20,7 +20,7 @@ from torch import Tensor
 from trainer2.data.dataset import DataError, Dataset, InputSpec
 from trainer2.data.images import normalised_rows
 from trainer2.data.load import DataConfig, load_data
-from trainer2.learning.averaging import PREFIX
+from trainer2.learning.averaging import COUNT, PREFIX, average_keys
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.physics.relaxation import DynamicsConfig, Relaxation
@@ -156,7 +156,7 @@ def load(path: str | Path, device: str | None = None, weights: str = "auto", **o
     if memory is not None:
         live.update(memory.tensors())
     fingerprint = None if data is None else data_fingerprint(data)
-    averages = frozenset(PREFIX + k for k in named)
+    averages = average_keys(machine) - {COUNT}  # the averaged parameters (load reads no update count)
     loaded, meta = load_checked(path, cfg, fingerprint, live, only=("param.", "memory.", PREFIX), optional=averages)
     if weights == "average" and not averages <= loaded.keys():
         raise CheckpointError(
