@@ -16,8 +16,9 @@ it in a second call with --parts):
               whole epoch when it fits in its budget, else timed batches extrapolated to the epoch's 390);
   tests       the tests that need CUDA (`pytest -m cuda`: graph capture, the compiled Triton kernels against torch, ...;
               --tests all: the whole suite);
-  readout     dev batch 8, triton+graph with the readout's loss and gradients in torch (--readout_backend torch): beside
-              dev8's triton+graph row, what the readout kernel saves (AUTO_TAKES_TRITON_READOUT);
+  readout     dev batch 8 and 4096, triton+graph with the readout's loss and gradients in torch (--readout_backend
+              torch): beside dev8's and dev4096's triton+graph rows, what the readout kernel saves
+              (AUTO_TAKES_TRITON_READOUT);
   conv, dev64, production, deep   more bench rows: the conv preset at batch 128 (eager, graph, compile+graph), dev
               batch 64 (as dev8), production and deep (eager, graph, triton+graph).
 
@@ -89,7 +90,7 @@ class Plan:
             4096,
             {
                 "dev8": ("dev", [8], torch_modes),
-                "readout": ("dev", [8], ["triton+graph"]),
+                "readout": ("dev", [8, 4096], ["triton+graph"]),
                 "dev4096": ("dev", [4096], ["graph", "triton+graph"]),
                 "dev64": ("dev", [64], torch_modes),
                 "conv": ("conv", [128], ["eager", "graph", "compile+graph"]),
@@ -107,7 +108,7 @@ ESTIMATE_S = {
     "dev4096": 25,
     "conv-epoch": 80,
     "tests": 120,
-    "readout": 15,
+    "readout": 20,
     "conv": 90,
     "dev64": 75,
     "production": 20,

@@ -31,8 +31,10 @@ from trainer2.train_config import build_config  # noqa: E402
 
 TOL = {torch.float32: 3e-5, torch.float64: 1e-12}
 # (batch, coordinates, classes, memory slots, filled slots, retrieval beta): one block and a ragged second, odd sizes,
-# a memory bank with empty slots (bias -inf), more than 16 classes one-hot and in the bank (three blocks of classes)
+# a memory bank with empty slots (bias -inf), more than 16 classes one-hot and in the bank (three blocks of classes),
+# and batches past ROWS_PER_PROGRAM rows, shared among programs (the last one ragged), summed by a second launch
 CASES = [(5, 4, 7, 0, 0, 1.0), (37, 16, 20, 0, 0, 2.3), (16, 3, 7, 24, 17, 0.7), (21, 8, 35, 40, 40, 2.3)]
+CASES += [(150, 8, 7, 0, 0, 1.3), (130, 4, 20, 160, 150, 0.9)]
 
 
 def readout(case: tuple[int, int, int, int, int, float], dtype: torch.dtype):
@@ -64,7 +66,8 @@ def readout(case: tuple[int, int, int, int, int, float], dtype: torch.dtype):
 @pytest.mark.parametrize("case", CASES, ids=[f"B{b}-n{n}-V{v}-mem{s}-beta{r}" for b, n, v, s, _, r in CASES])
 def test_the_kernel_equals_readout_loss_and_grads(case, dtype):
     """Loss, probabilities and every readout gradient as the torch operators give them, to rounding; twice in a row
-    (the kernel's buffers are reused), the second time at other coordinates."""
+    (the kernel's buffers are reused), the second time at other coordinates; a batch past ROWS_PER_PROGRAM rows in
+    several programs and a second launch that adds their sums."""
     q, cost, mask, beta_r = readout(case, dtype)
     batch, n, classes = q.shape[0], q.shape[1], cost.num_classes
     kernel = readout_grads.ReadoutGrads(batch, n, cost.cand.coords.shape[0], classes, beta_r, q)
@@ -85,7 +88,12 @@ def test_the_kernel_equals_readout_loss_and_grads(case, dtype):
             scale = max(float(b.abs().max()), 1e-3)
             assert float((a - b).abs().max()) <= TOL[dtype] * scale, (name, float((a - b).abs().max()), scale)
         assert float(ref.grads.protos.abs().max()) > 1e-4 and float(ref.grads.theta.abs().max()) > 1e-4  # not vacuous
-    assert kernel.launches == 2
+    split = batch > readout_grads.ROWS_PER_PROGRAM
+    assert (
+        kernel.programs == (-(-batch // readout_grads.ROWS_PER_PROGRAM) if split else 1)
+        and (kernel.programs > 2) == split
+    )
+    assert kernel.launches == (4 if split else 2)
 
 
 def test_fits_bounds_the_candidates_tile_in_bytes():
@@ -93,10 +101,10 @@ def test_fits_bounds_the_candidates_tile_in_bytes():
     assert not readout_grads.fits(16, 512, 8) and not readout_grads.fits(64, 256, 4) and readout_grads.fits(3, 7, 8)
 
 
-def test_readout_backend_triton_runs_it_where_it_can_and_auto_keeps_torch():
-    """--readout_backend triton with the retrieval cost: the kernel (beside either window); auto keeps torch until a GPU
-    has run it; another cost (also a subclass of the retrieval cost, which may compute otherwise) or a readout past
-    one program's registers is refused by name."""
+def test_readout_backend_triton_runs_it_where_it_can_and_auto_takes_it_on_cuda_only():
+    """--readout_backend triton with the retrieval cost: the kernel (beside either window); auto takes it on a CUDA
+    device only (tests/test_window_backend.py), torch here; another cost (also a subclass of the retrieval cost, which
+    may compute otherwise) or a readout past one program's registers is refused by name."""
 
     class MyRetrieval(Retrieval):
         kind = "my_retrieval"
@@ -105,7 +113,7 @@ def test_readout_backend_triton_runs_it_where_it_can_and_auto_keeps_torch():
     tri = choose_readout_backend("triton", like, Retrieval, sizes)
     assert tri.name == "triton" and isinstance(readout_kernel(tri, sizes, 1.0, like), readout_grads.ReadoutGrads)
     auto = choose_readout_backend("auto", like, Retrieval, sizes)
-    assert AUTO_TAKES_TRITON_READOUT or (auto.name == "torch" and readout_kernel(auto, sizes, 1.0, like) is None)
+    assert auto.name == "torch" and readout_kernel(auto, sizes, 1.0, like) is None and AUTO_TAKES_TRITON_READOUT
     assert choose_readout_backend("torch", like, Retrieval, sizes).name == "torch"
     with pytest.raises(ConfigError, match="readout_backend: triton cannot run here: .*this run's is my_retrieval"):
         choose_readout_backend("triton", like, MyRetrieval, sizes)

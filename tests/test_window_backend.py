@@ -154,6 +154,27 @@ def test_auto_takes_the_fused_update_on_cuda_unless_switched_off(monkeypatch):
     assert backend.choose_update_backend("torch", cuda, backend.torch.float32).name == "torch"
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install -e '.[kernels]')"
+)
+def test_auto_takes_the_readout_kernel_on_cuda_where_it_fits_unless_switched_off(monkeypatch):
+    """No CUDA tensor is made: the choice reads only `like`'s device, dtype and item size."""
+    from types import SimpleNamespace
+
+    from trainer2.physics.costs.retrieval import Retrieval
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    like = SimpleNamespace(device=backend.torch.device("cuda"), dtype=backend.torch.float32, element_size=lambda: 4)
+    dev = (128, 16, 100, 100)  # the dev preset's batch, coordinates and one-hot candidates
+    taken = backend.choose_readout_backend("auto", like, Retrieval, dev)
+    assert taken.name == "triton" and "the readout fits" in taken.reason  # measured faster on an H200
+    past = backend.choose_readout_backend("auto", like, Retrieval, (128, 16, 1024, 100))
+    assert past.name == "torch" and "1024 candidates x 16 coordinates" in past.reason
+    monkeypatch.setattr(backend, "AUTO_TAKES_TRITON_READOUT", False)
+    off = backend.choose_readout_backend("auto", like, Retrieval, dev)
+    assert off.name == "torch" and "AUTO_TAKES_TRITON_READOUT is off" in off.reason
+
+
 def test_the_cli_refuses_the_fused_update_in_one_line(tmp_path, small_text, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     argv = ["--data", str(small_text), "--checkpoint_dir", str(tmp_path), "--device", "cpu", "--max_windows", "1"]

@@ -30,9 +30,10 @@ MAX_DEPTH = 3
 # (production) the windows/s of graph (docs/performance.md): auto takes them on a CUDA device where the shapes fit.
 AUTO_TAKES_TRITON = True
 AUTO_TAKES_TRITON_UPDATE = True
-# The readout's loss and gradients in one launch (kernels/readout_grads.py) equal the torch operators in the
-# interpreter, but have not yet run compiled on a GPU: --readout_backend triton runs them, auto not yet.
-AUTO_TAKES_TRITON_READOUT = False
+# The readout's loss and gradients in one launch (kernels/readout_grads.py) passed benchmarks/triton_window_check.py
+# compiled on an H200 (batches 1 to 200, float32 and float64, a memory bank), and the dev preset's triton+graph window
+# with it ran 1.17x (batch 8), 1.07x (128) and 1.06x (4096) the windows/s with the readout in torch (docs/triton.md).
+AUTO_TAKES_TRITON_READOUT = True
 # Triton stages each tl.dot's operands through shared memory, and the kernels' dots take whole layers: the largest
 # pair (BLOCK_ROWS rows of state and a coupling tile, padded) has to fit the GPU's shared memory per block. The slack
 # covers the kernel's other buffers: on an H200 the deep preset's 1024 x 32 float32 pair (192 KiB) asked for 234 KiB,
