@@ -1,7 +1,9 @@
 """The fused Triton update against the torch update on one device (issue 38): the largest difference of the parameters,
 moments, applied step, count and dropped count after several updates, for Adam and heavy-ball momentum, each with and
 without weight decay and per-group learning rates, one gradient non-finite (the update dropped); on CUDA also one
-update captured in a CUDA graph and replayed against its eager call (bitwise, no host sync).
+update captured in a CUDA graph and replayed against its eager call (bitwise, no host sync). Then the weight average's
+kernel (kernels/weight_average.py, beside the fused update) against the torch operators it replaces, the rotor's
+angles winding past +-pi, and on CUDA its graph replay.
 
     python -m benchmarks.update_check [--preset dev] [--steps 6] [--FIELD VALUE ...]
 
@@ -128,6 +130,56 @@ def graph_replay(fused, table: ParamTable, st: UpdateState, grad: Tensor) -> flo
     return max(relative(t, e) for t, e in zip(live, eager))
 
 
+def compare_average(cfg: TrainConfig, device: torch.device, steps: int = 6) -> tuple[dict[str, float], dict]:
+    """`steps` moves of a weight average by its Triton kernel and by the torch operators, after random parameter
+    steps with every angle winding by 1.5 a step (so the short way round crosses the wrap); from t = 6 with decay 0.55
+    the weight 1 - d runs 9 / 16, 9 / 17, 0.5 (lerp's other branch), 9 / 19, then the clamp's 0.45. Returns (relative
+    difference by tensor, facts)."""
+    from trainer2.learning.averaging import WeightAverage
+
+    m, table = exercised(cfg, device)
+    ref, tri = WeightAverage.of(m, 0.55), WeightAverage.of(m, 0.55, table.span_of("theta"))
+    for average in (ref, tri):
+        average.count.fill_(6.0)
+    gen, theta, turned = torch.Generator().manual_seed(1), m.readout.theta, 0
+    for _ in range(steps):
+        with torch.no_grad():
+            move = torch.randn(m.flat.numel(), generator=gen, dtype=torch.float64) * 0.3
+            m.flat.add_(move.to(device=device, dtype=m.flat.dtype))
+            theta.add_(1.5 + math.pi).remainder_(2 * math.pi).sub_(math.pi)  # as the update wraps them
+        turned += int(torch.round((theta - ref.machine.readout.theta) / (2 * math.pi)).ne(0).sum())
+        ref.update()
+        tri.update()
+    errors = {"average": relative(tri.machine.flat, ref.machine.flat), "average count": relative(tri.count, ref.count)}
+    if device.type == "cuda":
+        live = [tri.machine.flat, tri.count]
+        errors["average graph replay"] = replayed(tri.update, live)
+    return errors, {"average launches": tri.kernel.launches, "turns": turned}
+
+
+def replayed(fn, live: list[Tensor]) -> float:
+    """`fn` captured in a CUDA graph and replayed from the same start as its eager call: the largest difference of
+    the tensors `live` it changes; a host sync is an error."""
+    start = [t.clone() for t in live]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        eager = [t.clone() for t in live]
+        for t, t0 in zip(live, start):
+            t.copy_(t0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        for t, t0 in zip(live, start):
+            t.copy_(t0)
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return max(relative(t, e) for t, e in zip(live, eager))
+
+
 def first_step_facts(m, table: ParamTable, st: UpdateState, quiet: Tensor, cfg: TrainConfig) -> dict[str, bool]:
     """Whether the subnormal moments were flushed (where nothing decays) and the readout clamped to each bound."""
     still = quiet if table.decay_flat is None else quiet & (table.decay_flat == 0)
@@ -165,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             # a replayed graph runs the very kernels of its eager call: any difference fails
             worst = max(worst, *errors.values(), math.inf if errors.get("graph replay") else 0.0)
             print(f"{rule:>8} {name:<10}: " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items()) + f"; {facts}")
+    errors, facts = compare_average(base, device, args.steps)
+    worst = max(worst, *errors.values(), math.inf if errors.get("average graph replay") else 0.0)
+    print(" weight average: " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items()) + f"; {facts}")
     print(f"largest relative difference {worst:.3g}: {'PASS' if worst <= tol else 'FAIL'}")
     return 0 if worst <= tol else 1
 

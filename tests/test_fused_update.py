@@ -6,6 +6,7 @@ anything imports triton; skipped with the reason otherwise."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -79,8 +80,8 @@ def test_the_updater_runs_the_kernels_in_a_batch_step(monkeypatch):
 
 
 def test_a_training_run_with_the_fused_update_matches_torch(tmp_path, small_text):
-    """60 windows of EP training (float64) with each update backend: the same parameters and held-out loss; summary.json
-    names the backend; 2 launches a window."""
+    """60 windows of EP training (float64) with each update backend: the same parameters, weight average and held-out
+    loss; summary.json names the backend; 2 launches a window, and one for the average (kernels/weight_average.py)."""
     base = dict(
         hidden_sizes=[10, 8],
         coord_dim_n=4,
@@ -102,6 +103,7 @@ def test_a_training_run_with_the_fused_update_matches_torch(tmp_path, small_text
         device="cpu",
         weight_decay=1e-3,
         eta_readout_scale=2.0,
+        ema_decay=0.9,
     )
     runs = {}
     for backend in ("triton", "torch"):
@@ -114,9 +116,44 @@ def test_a_training_run_with_the_fused_update_matches_torch(tmp_path, small_text
     (tri, tri_summary), (ref, ref_summary) = runs["triton"], runs["torch"]
     assert tri_summary["update_backend"] == "triton" and ref_summary["update_backend"] == "torch"
     assert tri.updater.fused.launches == 2 * 60 and ref.updater.fused is None
+    assert tri.average.kernel.launches == 60 and ref.average.kernel is None
+    err = float(
+        (tri.average.machine.flat - ref.average.machine.flat).abs().max() / ref.average.machine.flat.abs().max()
+    )
+    assert err <= 1e-9, err
     err = float((tri.machine.flat - ref.machine.flat).abs().max() / ref.machine.flat.abs().max())
     assert err <= 1e-9, err  # each update agrees to an ulp; a wrong one is off by about the learning rate (1e-2)
     assert abs(tri_summary["heldout_loss"] - ref_summary["heldout_loss"]) <= 1e-9 * ref_summary["heldout_loss"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_average_kernel_equals_the_torch_average(dtype):
+    """The weight average moved by kernels/weight_average.py against WeightAverage's torch operators, six moves with
+    the angles winding past +-pi: bitwise off the angles, within a few ulps on them (the short way round's products
+    may round in another order), the count alike, one launch a move."""
+    from benchmarks.update_check import compare_average
+
+    cfg = tiny_config(dtype=dtype, update_backend="triton")
+    errors, facts = compare_average(cfg, torch.device("cpu"), steps=6)
+    assert facts["turns"] > 0 and facts["average launches"] == 6, facts  # the wrap was crossed, the kernel ran
+    assert errors["average count"] == 0.0 and errors["average"] <= 4 * torch.finfo(getattr(torch, dtype)).eps, errors
+
+
+def test_the_average_kernel_moves_the_angles_the_short_way_round():
+    """An angle at 3.1 averaged toward -3.1 (0.08 apart across the wrap) moves across pi, not through 0, and is
+    wrapped; the other entries move by the plain lerp; the count steps on."""
+    from trainer2.physics.kernels.weight_average import AverageKernel
+
+    avg = torch.tensor([3.1, 1.0, 2.0], dtype=torch.float64)
+    param = torch.tensor([-3.1, 3.0, -2.0], dtype=torch.float64)
+    count = torch.tensor([100.0], dtype=torch.float64)
+    kernel = AverageKernel(avg, slice(0, 1), decay=0.99)
+    kernel(avg, param, count)
+    w = 9 / 110  # max(9 / (10 + t), 1 - decay)
+    short = 3.1 + w * (2 * math.pi - 6.2)  # the turn toward -3.1 + 2 pi, then wrapped
+    assert avg[0].item() == pytest.approx(short - 2 * math.pi if short >= math.pi else short, abs=1e-12)
+    assert avg[1:].tolist() == pytest.approx([1.0 + w * 2.0, 2.0 - w * 4.0], abs=1e-15)
+    assert count.item() == 101.0 and kernel.launches == 1
 
 
 def test_a_buffer_in_another_layout_is_refused_not_misread():

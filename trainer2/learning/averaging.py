@@ -6,15 +6,17 @@ run's average is not held near the initial parameters, and from t = 9 / (1 - dec
 average (TensorFlow's ExponentialMovingAverage with num_updates; timm's ModelEma). One `lerp_` over the flat buffer
 and a few 1-element operators, inside the batch step, so a captured graph or a compiled step runs it too; the rotor's
 angles, which the update wraps to [-pi, pi), are averaged on the circle (the turn toward each angle taken the short
-way round, and wrapped to [-pi, pi) as the parameters are). Training never reads the
-average: the run's arithmetic is the same with or without it. The average keeps the constraints (a spectral norm below
-a cap and the readout's clamps are convex sets), so it is a machine like any other. Polyak & Juditsky 1992; timm's
-ModelEmaV2.
+way round, and wrapped to [-pi, pi) as the parameters are). Beside the fused update (--update_backend triton) one
+Triton launch and the count's increment do the same (trainer2.physics.kernels.weight_average). Training never reads
+the average: the run's arithmetic is the same with or without it. The average keeps the constraints (a spectral norm
+below a cap and the readout's clamps are convex sets), so it is a machine like any other. Polyak & Juditsky 1992;
+timm's ModelEmaV2.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +31,8 @@ COUNT = "averaging.updates"  # checkpoint key of the number of updates averaged 
 @dataclass(frozen=True)
 class WeightAverage:
     """The average of `source`'s parameters as a machine of its own (`machine.flat` is the average, (P,)), the decay
-    per window, the updates averaged so far t (1,), and scratch buffers for this update's weight 1 - d (1,) and the
-    angles' turns (rotor_k,)."""
+    per window, the updates averaged so far t (1,), scratch buffers for this update's weight 1 - d (1,) and the
+    angles' turns (rotor_k,), and the Triton kernel that moves it instead of the torch operators, if any."""
 
     machine: Machine
     source: Machine
@@ -38,15 +40,25 @@ class WeightAverage:
     count: Tensor
     weight: Tensor
     turn: Tensor
+    kernel: Callable[[Tensor, Tensor, Tensor], None] | None = None
 
     @staticmethod
-    def of(machine: Machine, decay: float) -> "WeightAverage":
-        """An average of `machine`'s parameters that starts at their current values."""
+    def of(machine: Machine, decay: float, theta: slice | None = None) -> "WeightAverage":
+        """An average of `machine`'s parameters that starts at their current values; with `theta` (the angles'
+        elements of the flat buffer) moved by the Triton kernel, which imports triton."""
         average, zero = move_machine(machine, machine.flat.device), machine.flat.new_zeros(1)
-        return WeightAverage(average, machine, decay, zero, zero.clone(), machine.readout.theta.clone())
+        kernel = None
+        if theta is not None:
+            from trainer2.physics.kernels.weight_average import AverageKernel
+
+            kernel = AverageKernel(machine.flat, theta, decay)
+        return WeightAverage(average, machine, decay, zero, zero.clone(), machine.readout.theta.clone(), kernel)
 
     def update(self) -> None:
         """Move the average toward the parameters by 1 - d (module docstring); no allocation, no host sync."""
+        if self.kernel is not None:
+            self.kernel(self.machine.flat, self.source.flat, self.count)
+            return
         w, avg = self.weight, self.machine.readout.theta
         torch.add(self.count, 10.0, out=w).reciprocal_().mul_(9.0).clamp_(min=1.0 - self.decay)  # 1 - d
         self.count.add_(1.0)

@@ -100,6 +100,8 @@ def build_step(
     updater = Updater(machine, update, table)
     reducer = GradReducer(updater.grad, dist) if dist is not None and dist.launched else None
     relax = Relaxation(machine, dynamics, batch, memory, found.scheme(dynamics))
-    average = WeightAverage.of(machine, update.ema_decay) if update.ema_decay else None
+    # beside the fused update, the average moves in one Triton launch too (its angles at the table's theta)
+    theta = table.span_of("theta") if updater.fused is not None else None
+    average = WeightAverage.of(machine, update.ema_decay, theta) if update.ema_decay else None
     source = found.gradients if gradients is None else gradients
     return BatchStep(relax, source, updater, memory, reducer=reducer, average=average)
