@@ -34,7 +34,7 @@ TOL = {torch.float32: 3e-5, torch.float64: 1e-12}
 # a memory bank with empty slots (bias -inf), more than 16 classes one-hot and in the bank (three blocks of classes),
 # and batches past ROWS_PER_PROGRAM rows, shared among programs (the last one ragged), summed by a second launch
 CASES = [(5, 4, 7, 0, 0, 1.0), (37, 16, 20, 0, 0, 2.3), (16, 3, 7, 24, 17, 0.7), (21, 8, 35, 40, 40, 2.3)]
-CASES += [(150, 8, 7, 0, 0, 1.3), (130, 4, 20, 160, 150, 0.9)]
+CASES += [(128, 16, 100, 0, 0, 1.0), (150, 8, 7, 0, 0, 1.3), (130, 4, 20, 160, 150, 0.9)]  # 2, 3, 3 programs
 
 
 def readout(case: tuple[int, int, int, int, int, float], dtype: torch.dtype):
@@ -91,7 +91,7 @@ def test_the_kernel_equals_readout_loss_and_grads(case, dtype):
     split = batch > readout_grads.ROWS_PER_PROGRAM
     assert (
         kernel.programs == (-(-batch // readout_grads.ROWS_PER_PROGRAM) if split else 1)
-        and (kernel.programs > 2) == split
+        and (kernel.programs > 1) == split
     )
     assert kernel.launches == (4 if split else 2)
 

@@ -31,8 +31,9 @@ MAX_DEPTH = 3
 AUTO_TAKES_TRITON = True
 AUTO_TAKES_TRITON_UPDATE = True
 # The readout's loss and gradients in one launch (kernels/readout_grads.py) passed benchmarks/triton_window_check.py
-# compiled on an H200 (batches 1 to 200, float32 and float64, a memory bank), and the dev preset's triton+graph window
-# with it ran 1.17x (batch 8), 1.07x (128) and 1.06x (4096) the windows/s with the readout in torch (docs/triton.md).
+# compiled on an H200 (batches 1, 8, 13, 64 and 200; float32 and float64; a memory bank), and the dev preset's
+# triton+graph window with it ran 1.17x (batch 8), 1.07x (128) and 1.06x (4096) the windows/s with the readout in
+# torch (docs/triton.md).
 AUTO_TAKES_TRITON_READOUT = True
 # Triton stages each tl.dot's operands through shared memory, and the kernels' dots take whole layers: the largest
 # pair (BLOCK_ROWS rows of state and a coupling tile, padded) has to fit the GPU's shared memory per block. The slack

@@ -1,10 +1,10 @@
-"""The retrieval readout's loss, class probabilities and exact gradients at the free equilibrium in one Triton launch:
-what `readout_loss_and_grads` does in about 40 torch operators (distances under the metric, the softmax over the
-candidates, p_y, the weights w, and the sums U, V and cov every gradient follows from). A program walks its rows in
-blocks of 16 and keeps the candidates (K, n) and the sums in registers, which serves readouts of up to 32 KiB of
-padded candidates x coordinates (`fits`: 16 coordinates and 512 candidates in float32, 256 in float64). A batch of
-more than 64 rows is shared among programs, and a second launch adds their sums in a fixed order (no atomics: the
-same numbers every call). The rotor's angle gradient, a few products over its planes, stays in torch
+"""The retrieval readout's loss, class probabilities and exact gradients at the free equilibrium in one Triton launch
+(two past 64 rows): what `readout_loss_and_grads` does in about 40 torch operators (distances under the metric, the
+softmax over the candidates, p_y, the weights w, and the sums U, V and cov every gradient follows from). A program
+walks its rows in blocks of 16 and keeps the candidates (K, n) and the sums in registers, which serves readouts of up
+to 32 KiB of padded candidates x coordinates (`fits`: 16 coordinates and 512 candidates in float32, 256 in float64). A
+batch of more than 64 rows is shared among programs, and a second launch adds their sums in a fixed order (no atomics:
+the same numbers every call). The rotor's angle gradient, a few products over its planes, stays in torch
 (`rotor_angle_grad`).
 
 Its torch reference is trainer2.physics.readout.readout_loss_and_grads; tests/test_readout_grads.py compares the two.
@@ -28,7 +28,8 @@ MAX_BYTES = 32 * 1024  # of the candidates' padded (K, n) tile: it and the sum V
 BLOCK_B = 16  # batch rows a block: tl.dot's smallest
 BLOCK_V = 16  # classes a block of the memory bank's class probabilities
 ROWS_PER_PROGRAM = 64  # a larger batch is split among programs, whose partial sums a second launch adds: one program
-# walking 4,096 rows took about 3 ms on an H200 (12fcbe2: dev batch 4096 triton+graph 260 windows/s, 1,437 without it)
+# walking 4,096 rows took about 3 ms on an H200 (dev batch 4096 triton+graph: 261 windows/s with it, 1,431 with the
+# readout in torch, 1,522 split; docs/performance.md)
 
 
 def fits(coordinates: int, candidates: int, itemsize: int) -> bool:

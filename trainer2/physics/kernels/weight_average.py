@@ -4,7 +4,7 @@ short way round and wrapped to [-pi, pi); the count's increment follows in torch
 none may write it). Two launches where the torch operators take 13. It runs beside the fused update
 (--update_backend triton).
 
-Its torch reference is WeightAverage.update without a kernel; tests/test_weight_average_kernel.py compares the two:
+Its torch reference is WeightAverage.update without a kernel; tests/test_fused_update.py compares the two:
 the same operations in the same order, so equal bits but where an angle crosses the wrap (torch's addcmul may round
 its products in another order).
 """
@@ -44,6 +44,8 @@ def weight_average_kernel(
     th_hi,
     BLOCK: tl.constexpr,
 ):
+    """The average moved toward the parameters by 1 - d over BLOCK elements a program; the angles at [th_lo, th_hi)
+    the short way round, wrapped. Reads the count, never writes it."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     dt = avg_ptr.dtype.element_ty
