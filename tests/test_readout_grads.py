@@ -137,6 +137,7 @@ def test_a_run_with_the_readout_kernel_beside_the_torch_window(tmp_path, small_t
         runs[backend] = trainer, trainer.train()
     (tri, tri_summary), (ref, ref_summary) = runs["triton"], runs["torch"]
     assert tri.relaxation.readout_kernel.launches == 20 and ref.relaxation.readout_kernel is None
+    assert tri.relaxation.frame_kernel.launches == 20 and ref.relaxation.frame_kernel is None  # readout_frame.py
     assert tri_summary["readout_backend"] == "triton" and ref_summary["readout_backend"] == "torch"
     torch.testing.assert_close(tri.machine.flat, ref.machine.flat, rtol=1e-9, atol=1e-9)
 

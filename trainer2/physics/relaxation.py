@@ -35,6 +35,7 @@ from trainer2.physics.energy import Energy, input_drive
 from trainer2.physics.kernels.backend import (
     choose_backend,
     choose_readout_backend,
+    frame_kernel,
     make_phase_function,
     nudge_blocker,
     readout_kernel,
@@ -176,6 +177,11 @@ class Relaxation:
         self.adjoint = adjoint_workspace(machine, batch, self.integ) if self.nudge.kind == "adjoint" else None
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
         self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, machine.spec.eps, like)
+        # The readout's frame and its fold once a batch: the torch functions, or one Triton launch beside the readout's
+        self.frame_kernel = frame_kernel(
+            self.readout_backend, cfg.readout_backend, machine.layout, num_cand, machine.spec.retrieval_beta,
+            machine.spec.eps, self.fold_blocks, like,
+        )  # fmt: skip
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
         # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
         nudged = self.ws_nudged.state.s if phases else []
@@ -207,8 +213,11 @@ class Relaxation:
         m, ws, cfg = self.m, self.ws, self.cfg
         x = m.input_vectors(inputs)
         cand = self.candidates()
-        frame = readout_frame(m.readout, cand, m.layout, m.spec.retrieval_beta, m.spec.eps)
-        fold = fold_frame(m.energy, frame, self.fold_blocks)
+        if self.frame_kernel is not None:
+            frame, fold = self.frame_kernel(m.readout, cand, m.energy.output.bias)
+        else:
+            frame = readout_frame(m.readout, cand, m.layout, m.spec.retrieval_beta, m.spec.eps)
+            fold = fold_frame(m.energy, frame, self.fold_blocks)
         cost = self.cost.frame(m.readout, frame, cand, m.num_classes, m.layout, self.one_hot)
         torch.eq(targets[:, None], cand.labels[None, :], out=ws.label_hit)
         ws.target_mask.copy_(ws.label_hit)

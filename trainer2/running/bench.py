@@ -163,11 +163,12 @@ def host_batches(data: Dataset, batch: int, n: int, seed: int) -> list[tuple[tor
 
 
 def triton_launches(step: BatchStep) -> int:
-    """Triton launches the step's window and update have made so far (their counters; 0 for the torch backends)."""
-    fused = step.updater.fused
-    caps = sum(getattr(cap, "launches", 0) for cap in step.updater.caps)  # the Triton update's dense caps
-    readout = 0 if step.relax.readout_kernel is None else step.relax.readout_kernel.launches
-    return getattr(step.relax.steps_fn, "launches", 0) + (0 if fused is None else fused.launches) + caps + readout
+    """Triton launches the step's window, readout, update and weight average have made so far (their counters; 0 for
+    the torch backends)."""
+    relax, average = step.relax, step.average
+    kernels = [relax.steps_fn, relax.readout_kernel, relax.frame_kernel, step.updater.fused, *step.updater.caps]
+    kernels += [average.kernel] if average is not None else []
+    return sum(getattr(k, "launches", 0) for k in kernels if k is not None)
 
 
 def make_step(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device) -> BatchStep:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from trainer2.physics.costs.retrieval import Retrieval
-from trainer2.physics.dynamics import Integrator, PhaseFn, PhaseRun, phase_function
+from trainer2.physics.dynamics import FoldBlocks, Integrator, PhaseFn, PhaseRun, phase_function
 from trainer2.physics.nudge import NudgeScheme
+from trainer2.physics.readout import RotorLayout
 from trainer2.section import ConfigError
 
 # A program keeps whole layers in registers (tiles padded to powers of two >= 16). Within FITS (the dev and production
@@ -35,6 +36,9 @@ AUTO_TAKES_TRITON_UPDATE = True
 # triton+graph window with it ran 1.17x (batch 8), 1.07x (128) and 1.06x (4096) the windows/s with the readout in
 # torch (docs/triton.md).
 AUTO_TAKES_TRITON_READOUT = True
+# The readout's frame and fold in one launch (kernels/readout_frame.py) equal the torch functions in the interpreter,
+# but have not yet run compiled on a GPU: --readout_backend triton runs them beside the readout kernel, auto not yet.
+AUTO_TAKES_TRITON_FRAME = False
 # Triton stages each tl.dot's operands through shared memory, and the kernels' dots take whole layers: the largest
 # pair (BLOCK_ROWS rows of state and a coupling tile, padded) has to fit the GPU's shared memory per block. The slack
 # covers the kernel's other buffers: on an H200 the deep preset's 1024 x 32 float32 pair (192 KiB) asked for 234 KiB,
@@ -247,6 +251,28 @@ def readout_kernel(backend: Backend, sizes: tuple[int, int, int, int], beta_r: f
     from trainer2.physics.kernels.readout_grads import ReadoutGrads
 
     return ReadoutGrads(*sizes, beta_r, like)
+
+
+def frame_kernel(
+    readout: Backend,
+    requested: str,
+    layout: RotorLayout,
+    candidates: int,
+    beta_r: float,
+    eps: float,
+    blocks: FoldBlocks,
+    like: torch.Tensor,
+):
+    """The Triton frame and fold (kernels/readout_frame.py) beside the readout kernel (`readout`: its backend), where
+    --readout_backend triton asked for the kernels or auto took them and AUTO_TAKES_TRITON_FRAME is on, and the rotor
+    fits one program; else None (the torch functions). Imports triton only then."""
+    if readout.name != "triton" or not (requested == "triton" or AUTO_TAKES_TRITON_FRAME):
+        return None
+    from trainer2.physics.kernels import readout_frame
+
+    if not readout_frame.fits(layout.index.shape[1]):
+        return None
+    return readout_frame.FrameKernel(layout, candidates, beta_r, eps, blocks, like)
 
 
 def choose_update_backend(requested: str, device: torch.device, dtype: torch.dtype) -> Backend:
