@@ -68,8 +68,11 @@ def test_the_kernel_equals_readout_frame_and_fold_frame(case, dtype):
     assert kernel.launches == 2
 
 
-def test_fits_bounds_the_planes():
-    assert frame_kernel.fits(32) and frame_kernel.fits(1024) and not frame_kernel.fits(1025)
+def test_fits_bounds_the_planes_by_their_padded_tile_in_bytes():
+    assert frame_kernel.fits(32, 16, 4) and frame_kernel.fits(512, 16, 4) and frame_kernel.fits(256, 16, 8)
+    assert (
+        not frame_kernel.fits(1024, 16, 4) and not frame_kernel.fits(512, 32, 4) and not frame_kernel.fits(512, 16, 8)
+    )
 
 
 def test_the_frame_kernel_runs_where_triton_is_asked_for_and_auto_waits_for_a_gpu(monkeypatch):
@@ -89,5 +92,5 @@ def test_the_frame_kernel_runs_where_triton_is_asked_for_and_auto_waits_for_a_gp
     assert made(tri, "triton") and not made(tri, "auto") and not made(torch_, "torch") and not made(torch_, "auto")
     monkeypatch.setattr(backend, "AUTO_TAKES_TRITON_FRAME", True)
     assert made(tri, "auto")
-    monkeypatch.setattr(frame_kernel, "MAX_PLANES", 4)
-    assert not made(tri, "triton")  # 5 planes, padded to 16, past 4
+    monkeypatch.setattr(frame_kernel, "MAX_BYTES", 16 * 16 * 8 - 1)
+    assert not made(tri, "triton")  # 5 planes and 4 coordinates, each padded to 16, in float64: one byte past

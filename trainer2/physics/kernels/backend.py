@@ -270,7 +270,7 @@ def frame_kernel(
         return None
     from trainer2.physics.kernels import readout_frame
 
-    if not readout_frame.fits(layout.index.shape[1]):
+    if not readout_frame.fits(layout.index.shape[1], layout.n, like.element_size()):
         return None
     return readout_frame.FrameKernel(layout, candidates, beta_r, eps, blocks, like)
 

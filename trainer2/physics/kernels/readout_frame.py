@@ -19,12 +19,13 @@ from trainer2.physics.dynamics import FoldBlocks, FoldedFrame
 from trainer2.physics.kernels.chain import load_tile, load_vec, mm, padded, row_major, sqrt_ieee
 from trainer2.physics.readout import Candidates, ReadoutFrame, ReadoutParams, RotorLayout
 
-MAX_PLANES = 1024  # Givens planes one program holds (rotor_k): a plane's one-hot rows are (planes, n) tiles
+MAX_BYTES = 32 * 1024  # of a padded (planes, n) one-hot tile: the Givens products stage it in shared memory (compiled
+# ahead of time for sm_90: 16 x 1,024 float32 planes asked for 192 KiB, 32 x 1,024 for 384 KiB, past an H100's 227)
 
 
-def fits(planes: int) -> bool:
-    """Whether one program holds a rotor of `planes` Givens planes."""
-    return padded(planes) <= MAX_PLANES
+def fits(planes: int, coordinates: int, itemsize: int) -> bool:
+    """Whether one program holds a rotor of `planes` Givens planes in `coordinates` dimensions of `itemsize` bytes."""
+    return padded(planes) * padded(coordinates) * itemsize <= MAX_BYTES
 
 
 @triton.jit
