@@ -93,7 +93,7 @@ def compare(cfg: TrainConfig, device: torch.device, steps: int = 6, drop_at: int
         "dropped": relative(tri.dropped, ref.dropped),
         "ok": float(any(a != b for a, b in oks)),
     }
-    facts.update(oks=[a for a, _ in oks], launches=fused.launches, programs=-(-n // 1024), sums=fused.n_sums)
+    facts.update(oks=[a for a, _ in oks], launches=fused.launches, programs=fused.programs, sums=fused.n_sums)
     if device.type == "cuda":
         errors["graph replay"] = graph_replay(fused, t_tri, tri, g.nan_to_num(0.0))
     return errors, facts
@@ -103,31 +103,11 @@ def graph_replay(fused, table: ParamTable, st: UpdateState, grad: Tensor) -> flo
     """One fused update captured in a CUDA graph and replayed from the same start, against the eager call; a host sync
     in either is an error (torch.cuda.set_sync_debug_mode)."""
     step = torch.zeros_like(table.flat)
-    live = [table.flat, st.bufs, st.sq, st.count, st.dropped, step]
-    start = [t.clone() for t in live]
 
     def update() -> None:
         fused(table.flat, grad, st.bufs, st.sq, st.count, st.lr, st.dropped, table.mult, table.decay_flat, step)
 
-    def restore() -> None:
-        for t, t0 in zip(live, start):
-            t.copy_(t0)
-
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        update()
-        eager = [t.clone() for t in live]
-        restore()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            update()
-        restore()
-        graph.replay()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return max(relative(t, e) for t, e in zip(live, eager))
+    return replayed(update, [table.flat, st.bufs, st.sq, st.count, st.dropped, step])
 
 
 def compare_average(cfg: TrainConfig, device: torch.device, steps: int = 6) -> tuple[dict[str, float], dict]:
@@ -151,10 +131,10 @@ def compare_average(cfg: TrainConfig, device: torch.device, steps: int = 6) -> t
         ref.update()
         tri.update()
     errors = {"average": relative(tri.machine.flat, ref.machine.flat), "average count": relative(tri.count, ref.count)}
+    facts = {"average launches": tri.kernel.launches, "turns": turned}  # before the replay's eager call and capture
     if device.type == "cuda":
-        live = [tri.machine.flat, tri.count]
-        errors["average graph replay"] = replayed(tri.update, live)
-    return errors, {"average launches": tri.kernel.launches, "turns": turned}
+        errors["average graph replay"] = replayed(tri.update, [tri.machine.flat, tri.count])
+    return errors, facts
 
 
 def replayed(fn, live: list[Tensor]) -> float:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+import pkgutil
 import signal
 
 import pytest
@@ -11,6 +14,18 @@ import pytest
 # is defined, so it is set before any test can import one (tests/test_triton_window.py). An explicit
 # TRITON_INTERPRET=0 is kept, and the kernel tests then skip saying so.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def kernels_defined_under_the_suites_setting():
+    """Every kernel module imported once, now: a test that unsets TRITON_INTERPRET (to ask what a GPU would choose)
+    and first imports a kernel would define it compiled, and every later interpreted launch of it would fail."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    import trainer2.physics.kernels as kernels
+
+    for module in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"{kernels.__name__}.{module.name}")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -6,6 +6,8 @@ anything imports triton; skipped with the reason otherwise."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from interpreted import require_interpreted_triton
@@ -21,15 +23,16 @@ from trainer2.physics.readout import readout_frame  # noqa: E402
 
 TOL = {torch.float32: 2e-6, torch.float64: 1e-13}
 # (coordinates, rotor planes, classes, memory slots): the dev preset's 16 / 32, an odd n (a dummy sits out each round),
-# no rotor at all, more planes than one round (layers repeat their pairs), a memory bank's candidates
-CASES = [(16, 32, 10, 0), (5, 7, 7, 0), (4, 0, 3, 0), (6, 40, 5, 0), (8, 12, 6, 24)]
+# no rotor at all, more planes than one round (layers repeat their pairs), a memory bank's candidates, and 24
+# coordinates (two 16-wide tiles padded to 32)
+CASES = [(16, 32, 10, 0), (5, 7, 7, 0), (4, 0, 3, 0), (6, 40, 5, 0), (8, 12, 6, 24), (24, 30, 12, 0)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("case", CASES, ids=[f"n{n}-k{k}-V{v}-mem{s}" for n, k, v, s in CASES])
 def test_the_kernel_equals_readout_frame_and_fold_frame(case, dtype):
     """Every field of the frame and the fold as the torch functions give them, to rounding; twice in a row (the
-    kernel's buffers are reused), the second time at other parameters."""
+    kernel's buffers are reused), the second time at other parameters, candidates and output bias."""
     n, k, classes, slots = case
     cfg = tiny_config(coord_dim_n=n, rotor_k=k, memory_capacity=slots, dtype=str(dtype).split(".")[1])
     m = tiny_machine(cfg, classes)
@@ -49,6 +52,8 @@ def test_the_kernel_equals_readout_frame_and_fold_frame(case, dtype):
                 m.readout.theta.mul_(-1.7).add_(0.3)
                 m.readout.g_diag.mul_(0.6)
                 m.readout.r_sc.fill_(3.0)
+                m.energy.output.bias.add_(torch.linspace(-0.5, 0.5, n, dtype=dtype))
+                cand = replace(cand, coords=cand.coords.flip(0).mul(0.8).contiguous())
         ref_frame = readout_frame(m.readout, cand, m.layout, cfg.retrieval_beta, cfg.eps)
         ref_fold = fold_frame(m.energy, ref_frame, blocks)
         frame, fold = kernel(m.readout, cand, m.energy.output.bias)
@@ -68,11 +73,26 @@ def test_the_kernel_equals_readout_frame_and_fold_frame(case, dtype):
     assert kernel.launches == 2
 
 
-def test_fits_bounds_the_planes_by_their_padded_tile_in_bytes():
+def test_fits_bounds_the_planes_and_the_rotor_by_their_padded_tiles_in_bytes():
     assert frame_kernel.fits(32, 16, 4) and frame_kernel.fits(512, 16, 4) and frame_kernel.fits(256, 16, 8)
     assert (
         not frame_kernel.fits(1024, 16, 4) and not frame_kernel.fits(512, 32, 4) and not frame_kernel.fits(512, 16, 8)
     )
+    assert frame_kernel.fits(32, 64, 8) and not frame_kernel.fits(32, 128, 4)  # the (n, n) rotor: 64 KiB at 128
+
+
+def test_candidates_of_another_size_are_refused_by_name_not_read_past():
+    """Built for 7 candidates, called with 5: without the check the kernel reads two rows past their end."""
+    cfg = tiny_config(coord_dim_n=4, rotor_k=5)
+    m = tiny_machine(cfg, 7)
+    cand = m.prototype_candidates()
+    blocks = FoldBlocks.make(4, 7, cfg.eps, m.readout.protos)
+    kernel = frame_kernel.FrameKernel(m.layout, 7, cfg.retrieval_beta, cfg.eps, blocks, cand.coords)
+    with pytest.raises(ValueError, match=r"coords has shape \(5, 4\)"):
+        kernel(m.readout, replace(cand, coords=cand.coords[:5].contiguous()), m.energy.output.bias)
+    with pytest.raises(ValueError, match=r"bias has shape \(3,\)"):
+        kernel(m.readout, cand, m.energy.output.bias[:3].contiguous())
+    assert kernel.launches == 0
 
 
 def test_the_frame_kernel_runs_where_triton_is_asked_for_and_auto_waits_for_a_gpu(monkeypatch):

@@ -34,7 +34,8 @@ TOL = {torch.float32: 3e-5, torch.float64: 1e-12}
 # a memory bank with empty slots (bias -inf), more than 16 classes one-hot and in the bank (three blocks of classes),
 # and batches past ROWS_PER_PROGRAM rows, shared among programs (the last one ragged), summed by a second launch
 CASES = [(5, 4, 7, 0, 0, 1.0), (37, 16, 20, 0, 0, 2.3), (16, 3, 7, 24, 17, 0.7), (21, 8, 35, 40, 40, 2.3)]
-CASES += [(128, 16, 100, 0, 0, 1.0), (150, 8, 7, 0, 0, 1.3), (130, 4, 20, 160, 150, 0.9)]  # 2, 3, 3 programs
+CASES += [(128, 16, 100, 0, 0, 1.0), (150, 8, 7, 0, 0, 1.3), (130, 4, 20, 160, 150, 0.9)]
+PROGRAMS = [(128, 2), (150, 3), (130, 3)]  # those batches' programs at ROWS_PER_PROGRAM 64; one below 65 rows
 
 
 def readout(case: tuple[int, int, int, int, int, float], dtype: torch.dtype):
@@ -88,17 +89,14 @@ def test_the_kernel_equals_readout_loss_and_grads(case, dtype):
             scale = max(float(b.abs().max()), 1e-3)
             assert float((a - b).abs().max()) <= TOL[dtype] * scale, (name, float((a - b).abs().max()), scale)
         assert float(ref.grads.protos.abs().max()) > 1e-4 and float(ref.grads.theta.abs().max()) > 1e-4  # not vacuous
-    split = batch > readout_grads.ROWS_PER_PROGRAM
-    assert (
-        kernel.programs == (-(-batch // readout_grads.ROWS_PER_PROGRAM) if split else 1)
-        and (kernel.programs > 1) == split
-    )
-    assert kernel.launches == (4 if split else 2)
+    programs = {b: p for b, p in PROGRAMS}.get(batch, 1)
+    assert kernel.programs == programs and kernel.launches == (4 if programs > 1 else 2)
 
 
-def test_fits_bounds_the_candidates_tile_in_bytes():
+def test_fits_bounds_the_candidates_and_the_rotors_tiles_in_bytes():
     assert readout_grads.fits(16, 512, 4) and readout_grads.fits(64, 128, 4) and readout_grads.fits(16, 256, 8)
     assert not readout_grads.fits(16, 512, 8) and not readout_grads.fits(64, 256, 4) and readout_grads.fits(3, 7, 8)
+    assert readout_grads.fits(64, 10, 8) and not readout_grads.fits(128, 10, 4)  # the (n, n) rotor: 64 KiB at 128
 
 
 def test_readout_backend_triton_runs_it_where_it_can_and_auto_takes_it_on_cuda_only():
@@ -147,6 +145,20 @@ def test_a_tensor_in_another_layout_is_refused_not_misread():
     kernel = readout_grads.ReadoutGrads(q.shape[0], q.shape[1], cost.cand.coords.shape[0], cost.num_classes, beta_r, q)
     with pytest.raises(ValueError, match="not contiguous"):
         kernel(q.T.contiguous().T, cost, mask)
+
+
+def test_a_tensor_of_another_size_is_refused_by_name_not_read_past():
+    """The kernel reads the sizes it was built for: fewer rows, a mask of other width, or float32 would be read past
+    their ends (or as other numbers) without the check."""
+    q, cost, mask, beta_r = readout(CASES[1], torch.float64)
+    kernel = readout_grads.ReadoutGrads(q.shape[0], q.shape[1], cost.cand.coords.shape[0], cost.num_classes, beta_r, q)
+    with pytest.raises(ValueError, match=r"q has shape \(%d, %d\)" % (q.shape[0] - 1, q.shape[1])):
+        kernel(q[1:].contiguous(), cost, mask[1:].contiguous())
+    with pytest.raises(ValueError, match="mask has shape"):
+        kernel(q, cost, mask[:, 1:].contiguous())
+    with pytest.raises(ValueError, match="q has shape .* dtype torch.float32"):
+        kernel(q.float(), cost, mask)
+    assert kernel.launches == 0
 
 
 def test_bench_triton_modes_keep_the_torch_readout_where_its_kernel_cannot_run(small_text):

@@ -1,6 +1,6 @@
 """Speed benchmark: eager vs CUDA graph vs torch.compile vs compile+graph (torch window and update), and the Triton
-kernels (one launch per relaxation phase, the fused update) eager, in a graph, and compiled in a graph, in one run, on
-one config.
+kernels (one launch per relaxation phase, the readout's loss and frame, the fused update and the weight average)
+eager, in a graph, and compiled in a graph, in one run, on one config.
 
     python main.py bench [--preset NAME] [--FIELD VALUE ...] [--batch_sizes 8 64] [--modes ...] [--windows 20]
 
@@ -91,7 +91,7 @@ class Row:
     kernels_per_step: float | None = None
     launches_per_step: float | None = None
     kernels_per_batch: int | None = None  # kernels (ops on CPU) of one whole batch step
-    triton_per_batch: int = 0  # Triton launches one batch step's code makes (window and update)
+    triton_per_batch: int = 0  # Triton launches one batch step's code makes (every kernel's counter added)
     setup_s: float = 0.0
     note: str = ""
 
@@ -184,8 +184,8 @@ def prepare(
     """A fresh machine (same seed for every mode) and its runner, warmed up (compile and capture included); or why
     not."""
     cuda = device.type == "cuda"
-    # A triton mode is its torch mode with the Triton window and the fused update; the torch modes pin the torch
-    # window and update (auto may pick triton).
+    # A triton mode is its torch mode with the Triton window, readout (its loss and, asked for by name, its frame) and
+    # fused update; the torch modes pin the torch window and update (auto may pick triton).
     base = "eager" if mode == "triton" else mode.removeprefix("triton+")
     backend = "triton" if mode.startswith("triton") else "torch"
     # The readout follows the mode where its kernel can run (the config's `auto`), or as the config says (triton+graph

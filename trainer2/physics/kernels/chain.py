@@ -2,8 +2,10 @@
 chain h_1..h_M (M = 1, 2 or 3) with the box clamp, Jacobi or in even/odd halves. Imported only once triton is (see
 kernels/backend.py)."""
 
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 
 @triton.jit
@@ -242,6 +244,17 @@ def row_major(*tensors) -> None:
             raise ValueError(
                 f"Triton window: a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not "
                 "contiguous; the kernels need row-major tensors (the workspace allocates them so)"
+            )
+
+
+def sized(dtype: torch.dtype, **named: tuple[Tensor, tuple[int, ...]]) -> None:
+    """The kernels read exactly the sizes they were built for, unchecked: refuse a tensor of another shape or dtype
+    (named by its argument) rather than read past its end. Metadata only, no tensor work."""
+    for name, (t, shape) in named.items():
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(
+                f"Triton kernel: {name} has shape {tuple(t.shape)} and dtype {t.dtype}; it was built for {shape} "
+                f"and {dtype}"
             )
 
 

@@ -190,6 +190,7 @@ class FusedUpdate:
         self.n, self.adam = flat.numel(), adam
         self.per_program = SUM_BLOCK * triton.cdiv(triton.cdiv(self.n, MAX_SUMS), SUM_BLOCK)
         self.n_sums = triton.cdiv(self.n, self.per_program)
+        self.programs = triton.cdiv(self.n, BLOCK)  # of the update's launch
         self.sums = flat.new_zeros(self.n_sums)
         self.snap, self.ok = flat.new_zeros(()), flat.new_ones(())
         consts = constants(momentum, beta2, eps, g_min, g_max, r_min, flat.dtype)
@@ -214,7 +215,7 @@ class FusedUpdate:
         if any(t.shape != (self.n,) or not t.is_contiguous() or t.dtype != param.dtype for t in flat):
             raise ValueError(f"fused update: every flat buffer must be a contiguous ({self.n},) {param.dtype} tensor")
         grad_sums_kernel[(self.n_sums,)](grad, self.sums, count, self.snap, self.n, self.per_program, BLOCK=SUM_BLOCK)
-        fused_update_kernel[(triton.cdiv(self.n, BLOCK),)](
+        fused_update_kernel[(self.programs,)](
             param,
             grad,
             bufs,

@@ -16,16 +16,17 @@ import triton.language as tl
 from torch import Tensor
 
 from trainer2.physics.dynamics import FoldBlocks, FoldedFrame
-from trainer2.physics.kernels.chain import load_tile, load_vec, mm, padded, row_major, sqrt_ieee
+from trainer2.physics.kernels.chain import load_tile, load_vec, mm, padded, row_major, sized, sqrt_ieee
 from trainer2.physics.readout import Candidates, ReadoutFrame, ReadoutParams, RotorLayout
 
-MAX_BYTES = 32 * 1024  # of a padded (planes, n) one-hot tile: the Givens products stage it in shared memory (compiled
-# ahead of time for sm_90: 16 x 1,024 float32 planes asked for 192 KiB, 32 x 1,024 for 384 KiB, past an H100's 227)
+MAX_BYTES = 32 * 1024  # of the largest padded tile, the (planes, n) one-hots or the (n, n) rotor: the Givens products
+# stage them in shared memory (compiled ahead of time for sm_90: 16 x 1,024 float32 planes asked for 192 KiB, 32 x
+# 1,024 for 384 KiB, past an H100's 227)
 
 
 def fits(planes: int, coordinates: int, itemsize: int) -> bool:
     """Whether one program holds a rotor of `planes` Givens planes in `coordinates` dimensions of `itemsize` bytes."""
-    return padded(planes) * padded(coordinates) * itemsize <= MAX_BYTES
+    return max(padded(planes), padded(coordinates)) * padded(coordinates) * itemsize <= MAX_BYTES
 
 
 @triton.jit
@@ -68,7 +69,7 @@ def readout_frame_kernel(
     PP: tl.constexpr,
     KP: tl.constexpr,
 ):
-    """readout_frame then fold_frame (without the fold's constant blocks) for one batch's candidates."""
+    """readout_frame then fold_frame for one batch's candidates (the fold's C block, a constant, is not written)."""
     nn, jj, kk = tl.arange(0, NP), tl.arange(0, PP), tl.arange(0, KP)
     dt = g_ptr.dtype.element_ty
     live = jj < PLANES
@@ -143,7 +144,8 @@ class FrameKernel:
         self.gzc_t, self.cc = new(n, candidates), new(candidates)
         self.neg_scale, self.mq, self.bn = new(), new(n, 3 * n + 2), new(3 * n + 2)
         self.lt, self.yc2, self.caug = new(n, n + 1), new(n + 1, candidates), new(candidates, n + 1)
-        self.warps = 4 if self.tiles[0] * self.tiles[2] <= 2048 else 8
+        np_, pp, kp = self.tiles  # the largest tile sets the warps, as in the readout's kernel
+        self.warps = 4 if max(np_ * kp, np_ * np_, pp * np_) <= 2048 else 8
         self.launches = 0
 
     def __call__(self, p: ReadoutParams, cand: Candidates, bias: Tensor) -> tuple[ReadoutFrame, FoldedFrame]:
@@ -151,6 +153,8 @@ class FrameKernel:
         candidates and the output coupling's bias (n,)."""
         (n, k, kc, layers), (np_, pp, kp) = self.sizes, self.tiles
         row_major(p.theta, p.g_diag, cand.coords, bias)
+        sized(self.zc.dtype, theta=(p.theta, (k,)), g_diag=(p.g_diag, (n,)), coords=(cand.coords, (kc, n)),
+              bias=(bias, (n,)), r_sc=(p.r_sc, ()))  # fmt: skip
         readout_frame_kernel[(1,)](
             p.theta, self.layout.index, p.g_diag, cand.coords, p.r_sc, bias, self.consts,
             self.suffix, self.zc, self.gzc_t, self.cc, self.neg_scale,

@@ -19,7 +19,17 @@ import triton.language as tl
 from torch import Tensor
 
 from trainer2.physics.costs.cost import CostFrame
-from trainer2.physics.kernels.chain import div_ieee, load_rows, load_tile, load_vec, mm, padded, row_major, sqrt_ieee
+from trainer2.physics.kernels.chain import (
+    div_ieee,
+    load_rows,
+    load_tile,
+    load_vec,
+    mm,
+    padded,
+    row_major,
+    sized,
+    sqrt_ieee,
+)
 from trainer2.physics.readout import ReadoutParams, ReadoutResult, rotor_angle_grad
 
 MAX_BYTES = 32 * 1024  # of the candidates' padded (K, n) tile: it and the sum V stay in registers, and the products
@@ -34,13 +44,8 @@ ROWS_PER_PROGRAM = 64  # a larger batch is split among programs, whose partial s
 
 def fits(coordinates: int, candidates: int, itemsize: int) -> bool:
     """Whether one program holds the readout of `candidates` (K) points in `coordinates` (n) dimensions of
-    `itemsize` bytes."""
-    return padded(coordinates) * padded(candidates) * itemsize <= MAX_BYTES
-
-
-def programs(batch: int) -> int:
-    """How many programs share a batch of `batch` rows, ROWS_PER_PROGRAM each (the last may have fewer)."""
-    return -(-batch // ROWS_PER_PROGRAM)
+    `itemsize` bytes: the (K, n) candidates and the (n, n) rotor and sums each within MAX_BYTES."""
+    return max(padded(candidates), padded(coordinates)) * padded(coordinates) * itemsize <= MAX_BYTES
 
 
 @triton.jit
@@ -111,14 +116,29 @@ def store_grads(
     tl.store(grad_r_ptr, grad_r)
 
 
+def part_size(np_: int, kp: int) -> int:
+    """Elements of one program's four sums as padded tiles: w_col (KP,), V (KP, NP), zU (NP, NP), R_sc's gradient."""
+    return kp + kp * np_ + np_ * np_ + 1
+
+
 @triton.jit
 def store_sums(at, w_col, v_sum, zu, grad_r, NP: tl.constexpr, KP: tl.constexpr):
-    """One program's four sums, padded tiles one after another from `at`."""
+    """One program's four sums, padded tiles one after another from `at` (part_size elements)."""
     kk, nn = tl.arange(0, KP), tl.arange(0, NP)
     tl.store(at + kk, w_col)
     tl.store(at + KP + kk[:, None] * NP + nn[None, :], v_sum)
     tl.store(at + KP + KP * NP + nn[:, None] * NP + nn[None, :], zu)
     tl.store(at + KP + KP * NP + NP * NP, grad_r)
+
+
+@triton.jit
+def load_sums(at, NP: tl.constexpr, KP: tl.constexpr):
+    """The four sums store_sums wrote from `at`."""
+    kk, nn = tl.arange(0, KP), tl.arange(0, NP)
+    w_col = tl.load(at + kk)
+    v_sum = tl.load(at + KP + kk[:, None] * NP + nn[None, :])
+    zu = tl.load(at + KP + KP * NP + nn[:, None] * NP + nn[None, :])
+    return w_col, v_sum, zu, tl.load(at + KP + KP * NP + NP * NP)
 
 
 @triton.jit
@@ -139,12 +159,13 @@ def readout_grads_kernel(
     gcov_ptr,  # (n, n) out: R_sc g_i cov_ij, what the rotor's angle gradient reads
     grad_protos_ptr,  # (V, n) out
     grad_r_ptr,  # 0-dim out
-    part_ptr,  # (P, KP + KP NP + NP NP + 1) out where SPLIT: each program's four sums, padded tiles
+    part_ptr,  # (P, PART) out where SPLIT: each program's four sums, padded tiles (part_size)
     B,
     N,
     K,
     V,
-    ROWS,  # rows a program, a multiple of BB
+    ROWS,  # rows a program (ROWS_PER_PROGRAM, a multiple of BB): one program holds a batch of at most ROWS
+    PART: tl.constexpr,
     SPLIT: tl.constexpr,  # several programs: store the sums for readout_sum_kernel, else the gradients
     ONE_HOT: tl.constexpr,
     BB: tl.constexpr,
@@ -168,7 +189,7 @@ def readout_grads_kernel(
         ONE_HOT=ONE_HOT, BB=BB, NP=NP, KP=KP, VB=VB,
     )  # fmt: skip
     if SPLIT:
-        store_sums(part_ptr + tl.program_id(0) * (KP + KP * NP + NP * NP + 1), w_col, v_sum, zu, grad_r, NP, KP)
+        store_sums(part_ptr + tl.program_id(0) * PART, w_col, v_sum, zu, grad_r, NP, KP)
     else:
         store_grads(
             rot, g, zc, r_sc, w_col, v_sum, zu, grad_r, grad_g_ptr, gcov_ptr, grad_protos_ptr, grad_r_ptr, N, V, NP, KP
@@ -178,10 +199,9 @@ def readout_grads_kernel(
 @triton.jit
 def readout_sum_kernel(
     rot_ptr, g_ptr, zc_ptr, r_sc_ptr, part_ptr, grad_g_ptr, gcov_ptr, grad_protos_ptr, grad_r_ptr, P, N, K, V,
-    NP: tl.constexpr, KP: tl.constexpr,
+    PART: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
     """The P programs' sums added in program order (the same order every call: no atomics), then the gradients."""
-    kk, nn = tl.arange(0, KP), tl.arange(0, NP)
     rot = load_tile(rot_ptr, N, N, N, NP, NP)
     zc = load_tile(zc_ptr, N, K, N, KP, NP)
     w_col = tl.zeros((KP,), dtype=zc.dtype)
@@ -189,11 +209,11 @@ def readout_sum_kernel(
     zu = tl.zeros((NP, NP), dtype=zc.dtype)
     grad_r = tl.sum(tl.zeros((KP,), dtype=zc.dtype), axis=0)
     for p in range(0, P):
-        at = part_ptr + p * (KP + KP * NP + NP * NP + 1)
-        w_col += tl.load(at + kk)
-        v_sum += tl.load(at + KP + kk[:, None] * NP + nn[None, :])
-        zu += tl.load(at + KP + KP * NP + nn[:, None] * NP + nn[None, :])
-        grad_r += tl.load(at + KP + KP * NP + NP * NP)
+        w_p, v_p, zu_p, r_p = load_sums(part_ptr + p * PART, NP, KP)
+        w_col += w_p
+        v_sum += v_p
+        zu += zu_p
+        grad_r += r_p
     store_grads(
         rot, load_vec(g_ptr, N, NP), zc, tl.load(r_sc_ptr), w_col, v_sum, zu, grad_r,
         grad_g_ptr, gcov_ptr, grad_protos_ptr, grad_r_ptr, N, V, NP, KP,
@@ -222,28 +242,28 @@ class ReadoutGrads:
         )
         self.blocks = (padded(coordinates), padded(candidates))
         self.warps = 4 if self.blocks[0] * self.blocks[1] <= 2048 else 8
-        self.programs = programs(batch)
-        np_, kp = self.blocks
-        # each program's sums (w_col, V, zU, R_sc's gradient) as padded tiles, where several share the batch
-        self.parts = new(self.programs, kp + kp * np_ + np_ * np_ + 1) if self.programs > 1 else new(1)
+        self.programs = triton.cdiv(batch, ROWS_PER_PROGRAM)
+        self.part = part_size(*self.blocks)  # each program's sums as padded tiles, where several share the batch
+        self.parts = new(self.programs, self.part) if self.programs > 1 else new(1)
         self.launches = 0
 
     def __call__(self, q: Tensor, f: CostFrame, mask: Tensor) -> ReadoutResult:
         """Loss (B,), probabilities (B, V) and the batch-mean gradients of every readout parameter at q (B, n)."""
         (b, n, k, v), (np_, kp), r = self.sizes, self.blocks, f.readout
         row_major(q, mask, r.rot, r.zc)
+        sized(self.loss.dtype, q=(q, (b, n)), mask=(mask, (b, k)), rot=(r.rot, (n, n)), zc=(r.zc, (k, n)))
         split = self.programs > 1
         readout_grads_kernel[(self.programs,)](
             q, r.rot, r.g, r.zc, r.cc, r.bias, f.cand.labels, mask, r.r_sc, self.consts,
             self.loss, self.probs, self.grad_g, self.gcov, self.grad_protos, self.grad_r, self.parts,
-            b, n, k, v, ROWS_PER_PROGRAM if split else b,
-            SPLIT=split, ONE_HOT=f.one_hot, BB=BLOCK_B, NP=np_, KP=kp, VB=BLOCK_V, num_warps=self.warps,
+            b, n, k, v, ROWS_PER_PROGRAM,
+            PART=self.part, SPLIT=split, ONE_HOT=f.one_hot, BB=BLOCK_B, NP=np_, KP=kp, VB=BLOCK_V, num_warps=self.warps,
         )  # fmt: skip
         self.launches += 1
         if split:
             readout_sum_kernel[(1,)](
                 r.rot, r.g, r.zc, r.r_sc, self.parts, self.grad_g, self.gcov, self.grad_protos, self.grad_r,
-                self.programs, n, k, v, NP=np_, KP=kp, num_warps=self.warps,
+                self.programs, n, k, v, PART=self.part, NP=np_, KP=kp, num_warps=self.warps,
             )  # fmt: skip
             self.launches += 1
         grad_theta = rotor_angle_grad(self.gcov, r.suffix, f.layout)

@@ -18,10 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trainer2.physics.kernels.chain import div_ieee
-from trainer2.physics.kernels.fused_update import lerp
-
-BLOCK = 1024  # parameters per program
+from trainer2.physics.kernels.chain import div_ieee, row_major, sized
+from trainer2.physics.kernels.fused_update import BLOCK, lerp
 
 
 @triton.jit
@@ -74,8 +72,8 @@ class AverageKernel:
         self.launches = 0
 
     def __call__(self, avg: Tensor, param: Tensor, count: Tensor) -> None:
-        if any(t.shape != (self.n,) or not t.is_contiguous() or t.dtype != param.dtype for t in (avg, param)):
-            raise ValueError(f"weight average: both flat buffers must be contiguous ({self.n},) {param.dtype} tensors")
+        row_major(avg, param)
+        sized(param.dtype, avg=(avg, (self.n,)), param=(param, (self.n,)), count=(count, (1,)))
         weight_average_kernel[(triton.cdiv(self.n, BLOCK),)](
             avg, param, count, self.consts, self.n, *self.theta, BLOCK=BLOCK
         )
