@@ -19,6 +19,9 @@ it in a second call with --parts):
   readout     dev batch 8 and 4096, triton+graph with the readout's loss and gradients in torch (--readout_backend
               torch): beside dev8's and dev4096's triton+graph rows, what the readout kernel saves
               (AUTO_TAKES_TRITON_READOUT);
+  frame       dev batch 8 and 4096, triton+graph with the readout's frame and fold in one launch as well
+              (--readout_backend triton): beside dev8's and dev4096's rows, what the frame kernel saves
+              (AUTO_TAKES_TRITON_FRAME; until it is on, only these rows and the graph part's run it);
   conv, dev64, production, deep   more bench rows: the conv preset at batch 128 (eager, graph, compile+graph), dev
               batch 64 (as dev8), production and deep (eager, graph, triton+graph).
 
@@ -79,7 +82,11 @@ class Plan:
         torch_modes = ["eager", "graph", "compile+graph", "triton+graph"]
         if smoke:  # no compile on the CPU (inductor takes minutes); graph rows say n/a; triton runs interpreted
             modes = ["eager", "graph", "triton", "triton+graph"]
-            smoke_bench = {"dev8": ("dev", [4], modes), "readout": ("dev", [4], ["triton"])}
+            smoke_bench = {
+                "dev8": ("dev", [4], modes),
+                "readout": ("dev", [4], ["triton"]),
+                "frame": ("dev", [4], ["triton"]),
+            }
             return Plan(True, 2, 48, (3, 16, 16), 5.0, 16, {**smoke_bench, "dev4096": ("dev", [16], modes[:2])})
         return Plan(
             False,
@@ -91,6 +98,7 @@ class Plan:
             {
                 "dev8": ("dev", [8], torch_modes),
                 "readout": ("dev", [8, 4096], ["triton+graph"]),
+                "frame": ("dev", [8, 4096], ["triton+graph"]),
                 "dev4096": ("dev", [4096], ["graph", "triton+graph"]),
                 "dev64": ("dev", [64], torch_modes),
                 "conv": ("conv", [128], ["eager", "graph", "compile+graph"]),
@@ -109,6 +117,7 @@ ESTIMATE_S = {
     "conv-epoch": 80,
     "tests": 120,
     "readout": 20,
+    "frame": 20,
     "conv": 90,
     "dev64": 75,
     "production": 20,
@@ -117,7 +126,10 @@ ESTIMATE_S = {
 
 
 # A part that benches a preset with other settings, and the name its rows carry in the table
-VARIANTS = {"readout": ("dev, torch readout", {"readout_backend": "torch"})}
+VARIANTS = {
+    "readout": ("dev, torch readout", {"readout_backend": "torch"}),
+    "frame": ("dev, frame kernel", {"readout_backend": "triton"}),
+}
 
 
 def config(preset: str, smoke: bool, **overrides):
@@ -244,21 +256,29 @@ def difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def graph_part(plan: Plan, device: torch.device, log: Callable[[str], None]) -> dict[str, str]:
-    """Graph = eager for the dense machine (torch, and Triton window + fused update) and the conv preset's machine."""
+    """Graph = eager for the dense machine (torch; the Triton window, readout and fused update; on a GPU, the readout's
+    frame kernel too) and the conv preset's machine."""
     from trainer2.physics.kernels.backend import runtime_blocker
 
     windows = 4 if plan.smoke else 30
     out = {}
-    for name, preset, backend in (
-        ("dense", "dev", "torch"),
-        ("dense, triton", "dev", "triton"),
-        ("conv", "conv", "torch"),
+    # On a GPU `auto` gives the triton machine the readout's loss kernel, and the frame kernel runs in its own case
+    # (until AUTO_TAKES_TRITON_FRAME); on the CPU auto takes no kernel, so the triton case asks for both by name
+    cuda = device.type == "cuda"
+    for name, preset, backend, readout in (
+        ("dense", "dev", "torch", "torch"),
+        ("dense, triton", "dev", "triton", "auto" if cuda else "triton"),
+        *([("dense, frame kernel", "dev", "triton", "triton")] if cuda else []),
+        ("conv", "conv", "torch", "torch"),
     ):
         if backend == "triton" and runtime_blocker(device) is not None:  # the CPU without triton's interpreter
             continue
-        backends = {"window_backend": backend, "update_backend": backend, "readout_backend": backend}
+        backends = {"window_backend": backend, "update_backend": backend, "readout_backend": readout}
         cfg = config(preset, plan.smoke, **backends, batch_size=8)
-        out[name] = graph_equals_eager(cfg, data_for(cfg), device, windows)
+        try:  # a kernel that fails to compile spoils its own case, not the others
+            out[name] = graph_equals_eager(cfg, data_for(cfg), device, windows)
+        except Exception as e:
+            out[name] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         if name == "conv" and out[name].startswith("differs"):
             # cuDNN may pick nondeterministic algorithms: is eager against eager equal, and graph under determinism?
             out[name] += f"; eager against eager: {graph_equals_eager(cfg, data_for(cfg), device, windows, False)}"

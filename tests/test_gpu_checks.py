@@ -45,6 +45,7 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
         # average (the dev preset keeps one)
         assert rows[("dev", "4", "triton")][7].strip() == "8"
         assert rows[("dev, torch readout", "4", "triton")][7].strip() == "6"  # the readout part: its kernels left out
+        assert rows[("dev, frame kernel", "4", "triton")][7].strip() == "8"  # the frame part: both readout kernels
     collected = re.search(r"CUDA tests \| (\d+) CUDA tests collected", "\n".join(lines))
     assert collected and int(collected.group(1)) >= 8  # pytest -m cuda finds the marked tests
     assert re.search(r"conv epoch \(DCHN shape\) \| [\d.]+ s \(the whole epoch, eager", "\n".join(lines))

@@ -323,6 +323,16 @@ def test_bench_times_the_triton_window_as_a_mode(small_text, monkeypatch):
     assert graph.note == "n/a (CUDA graphs need a CUDA device)" and "triton+graph" in table
 
 
+def test_bench_modes_take_the_readout_by_name_on_the_cpu_and_leave_it_to_auto_on_a_gpu():
+    """On a GPU a triton mode's readout is `auto` (the frame kernel waits for AUTO_TAKES_TRITON_FRAME); the torch modes
+    keep it in torch; a readout the config names is kept (gpu_checks' readout and frame rows)."""
+    from trainer2.running.bench import mode_readout
+
+    assert mode_readout("auto", "triton", True) == "auto" and mode_readout("auto", "triton", False) == "triton"
+    assert mode_readout("auto", "torch", True) == "torch" and mode_readout("auto", "torch", False) == "torch"
+    assert mode_readout("triton", "triton", True) == "triton" and mode_readout("torch", "triton", True) == "torch"
+
+
 def test_a_tensor_in_another_layout_is_refused_not_misread():
     (tri,) = relaxations(("triton",), 0)
     inputs, targets = tiny_batch(tri.cfg)

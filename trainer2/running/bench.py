@@ -178,6 +178,15 @@ def make_step(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device)
     return build_step(parts.machine, dynamics, update, batch, parts.memory, rule=cfg.rule)
 
 
+def mode_readout(requested: str, backend: str, cuda: bool) -> str:
+    """The readout backend of a mode whose window and update run on `backend`: the config's torch or triton as given
+    (gpu_checks' rows with and without the readout's kernels), else the mode's. A triton mode on a GPU leaves it to
+    `auto` (the loss kernel; the frame kernel once AUTO_TAKES_TRITON_FRAME is on, so a kernel not yet compiled on a GPU
+    runs only in the rows that name it); on the CPU, where `auto` takes no kernel, it asks for both by name."""
+    keep = requested != "auto" or (backend == "triton" and cuda)
+    return requested if keep else backend
+
+
 def prepare(
     cfg: TrainConfig, data: Dataset, device: torch.device, batch: int, mode: str, warmup: list
 ) -> tuple[Row, StepRunner | None]:
@@ -188,9 +197,7 @@ def prepare(
     # fused update; the torch modes pin the torch window and update (auto may pick triton).
     base = "eager" if mode == "triton" else mode.removeprefix("triton+")
     backend = "triton" if mode.startswith("triton") else "torch"
-    # The readout follows the mode where its kernel can run (the config's `auto`), or as the config says (triton+graph
-    # with and without the kernel)
-    readout = backend if cfg.readout_backend == "auto" else cfg.readout_backend
+    readout = mode_readout(cfg.readout_backend, backend, cuda)
     cfg = cfg.model_copy(update={"window_backend": backend, "update_backend": backend, "readout_backend": readout})
     graphs, compiled = base in ("graph", "compile+graph", "reduce-overhead"), base not in ("eager", "graph")
     if graphs and not cuda:
