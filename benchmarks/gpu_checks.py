@@ -8,8 +8,9 @@ The parts, in this order while the time budget lasts (a part whose estimate no l
 it in a second call with --parts):
   dev8        bench at the dev preset, batch 8: eager, graph, compile+graph, triton+graph (the Triton window, readout
               and fused update), with an empty Triton cache, so setup_s includes compiling the kernels;
-  graph       graph = eager, bitwise: windows of the dev machine (torch, and Triton window + fused update) and of the
-              conv preset's machine, eagerly and replayed as a CUDA graph (conv again with cudnn.deterministic if not);
+  graph       graph = eager, bitwise: windows of the dev machine (torch, and Triton window, readout and fused update)
+              and of the conv preset's machine, eagerly and replayed as a CUDA graph (conv again with
+              cudnn.deterministic if not);
   dev4096     dev preset at batch 4096 (graph, triton+graph): the relaxation's share of the fp32 peak;
   conv-epoch  the DCHN of Scellier et al. 2023 (3x3 conv layers 128-256-512-512, max pooling) on 50,000 synthetic
               3x32x32 images, batch 128, 60 free / 15 nudged steps, replayed as a CUDA graph: seconds per epoch (the
@@ -21,7 +22,8 @@ it in a second call with --parts):
               (AUTO_TAKES_TRITON_READOUT);
   frame       dev batch 8 and 4096, triton+graph with the readout's frame and fold in one launch as well
               (--readout_backend triton): beside dev8's and dev4096's rows, what the frame kernel saves
-              (AUTO_TAKES_TRITON_FRAME; until it is on, only these rows and the graph part's run it);
+              (AUTO_TAKES_TRITON_FRAME; until it is on, only these rows run it), and its graph = eager case
+              (`dense, frame kernel`);
   conv, dev64, production, deep   more bench rows: the conv preset at batch 128 (eager, graph, compile+graph), dev
               batch 64 (as dev8), production and deep (eager, graph, triton+graph).
 
@@ -255,38 +257,48 @@ def difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a[~same].double() - b[~same].double()).abs().nan_to_num(nan=float("inf")).max())
 
 
-def graph_part(plan: Plan, device: torch.device, log: Callable[[str], None]) -> dict[str, str]:
-    """Graph = eager for the dense machine (torch; the Triton window, readout and fused update; on a GPU, the readout's
-    frame kernel too) and the conv preset's machine."""
+# The graph part's cases: (name, preset, window and update backend, readout backend). On a GPU `auto` gives the triton
+# machine the readout's loss kernel; on the CPU auto takes no kernel, so the triton case asks for both by name.
+GRAPH_CASES = (
+    ("dense", "dev", "torch", "torch"),
+    ("dense, triton", "dev", "triton", "auto"),
+    ("conv", "conv", "torch", "torch"),
+)
+# The readout's frame kernel, never yet compiled on a GPU, replays in the frame part, after the goal parts: a kernel
+# that faults the device (a sticky error) spoils only the parts after it
+FRAME_GRAPH_CASES = (("dense, frame kernel", "dev", "triton", "triton"),)
+
+
+def graph_part(
+    plan: Plan, device: torch.device, log: Callable[[str], None], cases: tuple = GRAPH_CASES
+) -> dict[str, str]:
+    """Graph = eager for each case's machine (GRAPH_CASES: the dense machine with torch, with the Triton window,
+    readout and fused update, and the conv preset's machine)."""
     from trainer2.physics.kernels.backend import runtime_blocker
 
     windows = 4 if plan.smoke else 30
     out = {}
-    # On a GPU `auto` gives the triton machine the readout's loss kernel, and the frame kernel runs in its own case
-    # (until AUTO_TAKES_TRITON_FRAME); on the CPU auto takes no kernel, so the triton case asks for both by name
-    cuda = device.type == "cuda"
-    for name, preset, backend, readout in (
-        ("dense", "dev", "torch", "torch"),
-        ("dense, triton", "dev", "triton", "auto" if cuda else "triton"),
-        *([("dense, frame kernel", "dev", "triton", "triton")] if cuda else []),
-        ("conv", "conv", "torch", "torch"),
-    ):
+    for name, preset, backend, readout in cases:
         if backend == "triton" and runtime_blocker(device) is not None:  # the CPU without triton's interpreter
             continue
+        readout = "triton" if readout == "auto" and device.type != "cuda" else readout
         backends = {"window_backend": backend, "update_backend": backend, "readout_backend": readout}
         cfg = config(preset, plan.smoke, **backends, batch_size=8)
         try:  # a kernel that fails to compile spoils its own case, not the others
             out[name] = graph_equals_eager(cfg, data_for(cfg), device, windows)
+            if name == "conv" and out[name].startswith("differs"):
+                # cuDNN may pick nondeterministic algorithms: is eager against eager equal, and graph under
+                # determinism?
+                again = graph_equals_eager(cfg, data_for(cfg), device, windows, False)
+                out[name] += f"; eager against eager: {again}"
+                torch.backends.cudnn.deterministic = True
+                try:
+                    determined = graph_equals_eager(cfg, data_for(cfg), device, windows)
+                    out[name] += f"; with cudnn.deterministic: {determined}"
+                finally:
+                    torch.backends.cudnn.deterministic = False
         except Exception as e:
             out[name] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-        if name == "conv" and out[name].startswith("differs"):
-            # cuDNN may pick nondeterministic algorithms: is eager against eager equal, and graph under determinism?
-            out[name] += f"; eager against eager: {graph_equals_eager(cfg, data_for(cfg), device, windows, False)}"
-            torch.backends.cudnn.deterministic = True
-            try:
-                out[name] += f"; with cudnn.deterministic: {graph_equals_eager(cfg, data_for(cfg), device, windows)}"
-            finally:
-                torch.backends.cudnn.deterministic = False
         log(f"  graph = eager, {name}: {out[name]}")
     return out
 
@@ -512,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if part in plan.bench:
                     rows += bench_part(plan, part, device, log)
+                    if part == "frame" and device.type == "cuda":
+                        results.setdefault("graph", {}).update(graph_part(plan, device, log, FRAME_GRAPH_CASES))
                 elif part == "graph":
                     results["graph"] = graph_part(plan, device, log)
                 elif part == "conv-epoch":

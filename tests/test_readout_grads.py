@@ -34,8 +34,9 @@ TOL = {torch.float32: 3e-5, torch.float64: 1e-12}
 # a memory bank with empty slots (bias -inf), more than 16 classes one-hot and in the bank (three blocks of classes),
 # and batches past ROWS_PER_PROGRAM rows, shared among programs (the last one ragged), summed by a second launch
 CASES = [(5, 4, 7, 0, 0, 1.0), (37, 16, 20, 0, 0, 2.3), (16, 3, 7, 24, 17, 0.7), (21, 8, 35, 40, 40, 2.3)]
-CASES += [(128, 16, 100, 0, 0, 1.0), (150, 8, 7, 0, 0, 1.3), (130, 4, 20, 160, 150, 0.9)]
-PROGRAMS = [(128, 2), (150, 3), (130, 3)]  # those batches' programs at ROWS_PER_PROGRAM 64; one below 65 rows
+CASES += [(128, 16, 100, 0, 0, 1.0), (150, 8, 7, 0, 0, 1.3), (130, 4, 20, 160, 150, 0.9), (64, 4, 7, 0, 0, 1.0)]
+CASES += [(65, 4, 7, 0, 0, 1.0)]  # the boundary: 64 rows in one program, 65 in two (the second holds one row)
+PROGRAMS = [(128, 2), (150, 3), (130, 3), (65, 2)]  # those batches' programs at ROWS_PER_PROGRAM 64; one below 65 rows
 
 
 def readout(case: tuple[int, int, int, int, int, float], dtype: torch.dtype):

@@ -242,8 +242,8 @@ def row_major(*tensors) -> None:
     for t in tensors:
         if not t.is_contiguous():
             raise ValueError(
-                f"Triton window: a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not "
-                "contiguous; the kernels need row-major tensors (the workspace allocates them so)"
+                f"Triton kernel: a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not "
+                "contiguous; the kernels need row-major tensors (the workspace and the readout allocate them so)"
             )
 
 

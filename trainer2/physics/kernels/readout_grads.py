@@ -2,7 +2,8 @@
 (two past 64 rows): what `readout_loss_and_grads` does in about 40 torch operators (distances under the metric, the
 softmax over the candidates, p_y, the weights w, and the sums U, V and cov every gradient follows from). A program
 walks its rows in blocks of 16 and keeps the candidates (K, n) and the sums in registers, which serves readouts of up
-to 32 KiB of padded candidates x coordinates (`fits`: 16 coordinates and 512 candidates in float32, 256 in float64). A
+to 32 KiB of padded candidates x coordinates and of the (n, n) rotor (`fits`: 16 coordinates and 512 candidates in
+float32, 256 in float64; at most 64 coordinates). A
 batch of more than 64 rows is shared among programs, and a second launch adds their sums in a fixed order (no atomics:
 the same numbers every call). The rotor's angle gradient, a few products over its planes, stays in torch
 (`rotor_angle_grad`).
@@ -32,9 +33,9 @@ from trainer2.physics.kernels.chain import (
 )
 from trainer2.physics.readout import ReadoutParams, ReadoutResult, rotor_angle_grad
 
-MAX_BYTES = 32 * 1024  # of the candidates' padded (K, n) tile: it and the sum V stay in registers, and the products
-# that read them stage copies in shared memory (compiled ahead of time for sm_90, triton 3.9: at most 129 KiB of an
-# H100's 227, at 16 coordinates and 512 candidates in float32)
+MAX_BYTES = 32 * 1024  # of the largest padded tile, the candidates' (K, n) or the rotor's (n, n): they and the sum V
+# stay in registers, and the products that read them stage copies in shared memory (compiled ahead of time for sm_90,
+# triton 3.9: at most 129 KiB of an H100's 227, at 16 coordinates and 512 candidates in float32)
 BLOCK_B = 16  # batch rows a block: tl.dot's smallest
 BLOCK_V = 16  # classes a block of the memory bank's class probabilities
 ROWS_PER_PROGRAM = 64  # a larger batch is split among programs, whose partial sums a second launch adds: one program
@@ -241,7 +242,7 @@ class ReadoutGrads:
             new(num_classes, coordinates),
         )
         self.blocks = (padded(coordinates), padded(candidates))
-        self.warps = 4 if self.blocks[0] * self.blocks[1] <= 2048 else 8
+        self.warps = 4 if max(self.blocks[0] * self.blocks[1], self.blocks[0] ** 2) <= 2048 else 8  # largest tile
         self.programs = triton.cdiv(batch, ROWS_PER_PROGRAM)
         self.part = part_size(*self.blocks)  # each program's sums as padded tiles, where several share the batch
         self.parts = new(self.programs, self.part) if self.programs > 1 else new(1)
