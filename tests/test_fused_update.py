@@ -156,6 +156,20 @@ def test_the_average_kernel_moves_the_angles_the_short_way_round():
     assert count.item() == 101.0 and kernel.launches == 1
 
 
+def test_the_average_kernel_refuses_buffers_of_another_size_by_name():
+    from trainer2.physics.kernels.weight_average import AverageKernel
+
+    avg, param = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    kernel = AverageKernel(avg, slice(0, 1), decay=0.99)
+    with pytest.raises(ValueError, match=r"count has shape \(\)"):
+        kernel(avg, param, torch.zeros((), dtype=torch.float64))  # 0-dim: the checkpoint's shape, not the buffer's
+    with pytest.raises(ValueError, match="param has shape .* dtype torch.float32"):
+        kernel(avg, param.float(), torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"avg has shape \(2,\)"):
+        kernel(avg[:2].contiguous(), param, torch.zeros(1, dtype=torch.float64))
+    assert kernel.launches == 0
+
+
 def test_a_buffer_in_another_layout_is_refused_not_misread():
     cfg = tiny_config(update_backend="triton")
     step = build_step(tiny_machine(cfg), cfg, cfg, cfg.batch_size)

@@ -1,6 +1,6 @@
 """Speed benchmark: eager vs CUDA graph vs torch.compile vs compile+graph (torch window and update), and the Triton
-kernels (one launch per relaxation phase, the readout's loss and frame, the fused update and the weight average)
-eager, in a graph, and compiled in a graph, in one run, on one config.
+kernels (one launch per relaxation phase, the readout's loss (and its frame where asked for: `mode_readout`), the
+fused update and the weight average) eager, in a graph, and compiled in a graph, in one run, on one config.
 
     python main.py bench [--preset NAME] [--FIELD VALUE ...] [--batch_sizes 8 64] [--modes ...] [--windows 20]
 

@@ -144,7 +144,7 @@ class FrameKernel:
         self.gzc_t, self.cc = new(n, candidates), new(candidates)
         self.neg_scale, self.mq, self.bn = new(), new(n, 3 * n + 2), new(3 * n + 2)
         self.lt, self.yc2, self.caug = new(n, n + 1), new(n + 1, candidates), new(candidates, n + 1)
-        np_, pp, kp = self.tiles  # the largest tile sets the warps, as in the readout's kernel
+        np_, pp, kp = self.tiles  # the largest tile sets the warps
         self.warps = 4 if max(np_ * kp, np_ * np_, pp * np_) <= 2048 else 8
         self.launches = 0
 

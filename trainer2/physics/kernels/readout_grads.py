@@ -242,7 +242,7 @@ class ReadoutGrads:
             new(num_classes, coordinates),
         )
         self.blocks = (padded(coordinates), padded(candidates))
-        self.warps = 4 if max(self.blocks[0] * self.blocks[1], self.blocks[0] ** 2) <= 2048 else 8  # largest tile
+        self.warps = 4 if self.blocks[0] * self.blocks[1] <= 2048 else 8  # as compiled ahead of time (docs/triton.md)
         self.programs = triton.cdiv(batch, ROWS_PER_PROGRAM)
         self.part = part_size(*self.blocks)  # each program's sums as padded tiles, where several share the batch
         self.parts = new(self.programs, self.part) if self.programs > 1 else new(1)
