@@ -60,3 +60,28 @@ def test_the_flop_count_follows_the_shapes():
     assert gpu_checks.coupling_macs(first) == 4 * 3 * 9 * 8 * 8
     assert gpu_checks.coupling_macs(second) == 8 * 4 * 9 * 4 * 4
     assert gpu_checks.coupling_macs(out) == out.weight.numel() == cfg.coord_dim_n * 8 * 2 * 2
+
+
+def test_the_frame_parts_graph_case_joins_the_graph_parts_and_its_error_fails_the_run(monkeypatch, capsys, tmp_path):
+    """On a GPU (faked: no kernel runs, the parts are stubs) the frame part replays FRAME_GRAPH_CASES after its bench
+    rows; whichever of it and the graph part runs first, both parts' cases reach the goal rows, and a case's error makes
+    the run exit 1."""
+    calls = []
+
+    def graph_part(plan, device, log, cases=gpu_checks.GRAPH_CASES):
+        calls.append([name for name, *_ in cases])
+        return {name: "error: CompilationError: x" if "frame" in name else "bitwise" for name, *_ in cases}
+
+    monkeypatch.setattr(gpu_checks.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_checks.torch.cuda, "get_device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(gpu_checks.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # restored after the test
+    monkeypatch.setattr(gpu_checks, "bench_part", lambda plan, part, device, log: [])
+    monkeypatch.setattr(gpu_checks, "graph_part", graph_part)
+    for parts in (["frame", "graph"], ["graph", "frame"]):
+        calls.clear()
+        assert gpu_checks.main(["--commit", "abc1234", "--tests", "none", "--parts", *parts]) == 1
+        out = capsys.readouterr().out
+        assert sorted(calls) == [["dense", "dense, triton", "conv"], ["dense, frame kernel"]]
+        assert "| graph = eager (dense, frame kernel) | error: CompilationError: x | bitwise | not met |" in out
+        assert "| graph = eager (dense) | bitwise | bitwise | met |" in out
