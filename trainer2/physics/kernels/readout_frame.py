@@ -56,11 +56,11 @@ def readout_frame_kernel(
     gzc_t_ptr,  # (n, K) out: (g * zc)^T
     cc_ptr,  # (K,) out: g(c_k, c_k) + eps
     neg_scale_ptr,  # 0-dim out: -retrieval_beta R_sc
-    mq_ptr,  # (n, 3n + 2) out: [-I | 0 | L^T | 0 | A]
-    bn_ptr,  # (3n + 2,) out: [b | 0 | 0 | 1 | 0]
-    lt_ptr,  # (n, n + 1) out: [L^T | 0]
+    mq_ptr,  # (n, 3n + 2) out: [-I | 0 | L^T | 0 | A], the L^T and A blocks written here
+    bn_ptr,  # (3n + 2,) out: [b | 0 | 0 | 1 | 0], b written here
+    lt_ptr,  # (n, n + 1) out: [L^T | 0], L^T written here
     yc2_ptr,  # (n + 1, K) out: [-2 yc^T ; cc]
-    caug_ptr,  # (K, n + 1) out: [(g * zc) R | -1]
+    caug_ptr,  # (K, n + 1) out: [(g * zc) R | -1], (g * zc) R written here
     N,
     PLANES,
     K,
@@ -69,7 +69,8 @@ def readout_frame_kernel(
     PP: tl.constexpr,
     KP: tl.constexpr,
 ):
-    """readout_frame then fold_frame for one batch's candidates (the fold's C block, a constant, is not written)."""
+    """readout_frame then fold_frame for one batch's candidates; the fold's constant blocks (-I, the zeros, the 1, the
+    -1 column and C) are in the buffers from the start (FrameKernel), so only what the parameters move is written."""
     nn, jj, kk = tl.arange(0, NP), tl.arange(0, PP), tl.arange(0, KP)
     dt = g_ptr.dtype.element_ty
     live = jj < PLANES
@@ -105,25 +106,15 @@ def readout_frame_kernel(
     l_t = tl.trans(rot) * sg[None, :]  # L^T = R^T diag(sqrt g)
     amat = mm(l_t, tl.trans(l_t))  # A = L^T L
     width = 3 * N + 2
-    neg_eye = tl.where(nn[:, None] == nn[None, :], -1.0, 0.0).to(dt)
-    tl.store(mq_ptr + nn[:, None] * width + nn[None, :], neg_eye, mask=square)
-    tl.store(mq_ptr + nn * width + N, tl.zeros([NP], dtype=dt), mask=nn < N)
     tl.store(mq_ptr + nn[:, None] * width + (N + 1) + nn[None, :], l_t, mask=square)
-    tl.store(mq_ptr + nn * width + 2 * N + 1, tl.zeros([NP], dtype=dt), mask=nn < N)
     tl.store(mq_ptr + nn[:, None] * width + (2 * N + 2) + nn[None, :], amat, mask=square)
     tl.store(lt_ptr + nn[:, None] * (N + 1) + nn[None, :], l_t, mask=square)
-    tl.store(lt_ptr + nn * (N + 1) + N, tl.zeros([NP], dtype=dt), mask=nn < N)
-    for first in range(0, width, NP):  # b_nudge: the output bias, then 1 at 2n + 1, zeros elsewhere
-        cols = first + nn
-        val = tl.where(cols == 2 * N + 1, 1.0, 0.0).to(dt)
-        val = tl.where(cols < N, tl.load(obias_ptr + cols, mask=cols < N, other=0.0), val)
-        tl.store(bn_ptr + cols, val, mask=cols < width)
+    tl.store(bn_ptr + nn, load_vec(obias_ptr, N, NP), mask=nn < N)
     yc = zc * sg[None, :]  # (KP, NP) the candidates in the Euclidean coordinates
     tl.store(yc2_ptr + nn[None, :] * K + kk[:, None], yc * -2.0, mask=kn)
     tl.store(yc2_ptr + N * K + kk, cc, mask=kk < K)
     cmat = mm(gzc, rot)  # C = (g * zc) R
     tl.store(caug_ptr + kk[:, None] * (N + 1) + nn[None, :], cmat, mask=kn)
-    tl.store(caug_ptr + kk * (N + 1) + N, tl.full([KP], -1.0, dt), mask=kk < K)
 
 
 class FrameKernel:
@@ -144,6 +135,8 @@ class FrameKernel:
         self.gzc_t, self.cc = new(n, candidates), new(candidates)
         self.neg_scale, self.mq, self.bn = new(), new(n, 3 * n + 2), new(3 * n + 2)
         self.lt, self.yc2, self.caug = new(n, n + 1), new(n + 1, candidates), new(candidates, n + 1)
+        # The fold's constant blocks, once: the kernel writes only the blocks the parameters move (fold_frame's cats)
+        self.mq[:, : n + 1], self.bn[n:], self.caug[:, n:] = blocks.neg_eye, blocks.b_tail, blocks.minus_one
         np_, pp, kp = self.tiles  # the largest tile sets the warps
         self.warps = 4 if max(np_ * kp, np_ * np_, pp * np_) <= 2048 else 8
         self.launches = 0

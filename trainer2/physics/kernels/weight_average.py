@@ -67,6 +67,7 @@ class AverageKernel:
 
     def __init__(self, flat: Tensor, theta: slice, decay: float) -> None:
         self.n, self.theta, self.dtype = flat.numel(), (theta.start, theta.stop), flat.dtype
+        self.programs = triton.cdiv(self.n, BLOCK)
         consts = [1.0 - decay, 1.0 / (2 * math.pi), -2 * math.pi, math.pi, 2 * math.pi]
         self.consts = torch.tensor(consts, dtype=torch.float64, device=flat.device)
         self.launches = 0
@@ -74,8 +75,6 @@ class AverageKernel:
     def __call__(self, avg: Tensor, param: Tensor, count: Tensor) -> None:
         row_major(avg, param)
         sized(self.dtype, avg=(avg, (self.n,)), param=(param, (self.n,)), count=(count, (1,)))
-        weight_average_kernel[(triton.cdiv(self.n, BLOCK),)](
-            avg, param, count, self.consts, self.n, *self.theta, BLOCK=BLOCK
-        )
+        weight_average_kernel[(self.programs,)](avg, param, count, self.consts, self.n, *self.theta, BLOCK=BLOCK)
         count.add_(1.0)
         self.launches += 1
