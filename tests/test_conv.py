@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny import tiny_config
 
 from benchmarks.autograd_reference import cosine, exact_grads_energy
@@ -62,19 +63,40 @@ def test_every_pull_is_minus_the_energy_terms_gradient(below, spec):
     assert d_lo.norm() > 0 and (d_hi + c.bias).norm() > 0  # nothing trivially zero
 
 
+def piece_energy(c: Conv, below: torch.Tensor, above: torch.Tensor, where: torch.Tensor | None) -> torch.Tensor:
+    """The term per row; under max pooling on the linear piece of the argmax positions `where`: conv_K(below) + b read
+    there, whichever window maximum `below` itself has."""
+    if where is None:
+        return c.energy(below, above)
+    z = F.conv2d(c.image(below), c.weight, c.bias_, padding=c.padding).flatten(2)
+    return -(above * z.gather(2, where.flatten(2)).flatten(1)).sum(1)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["free_piece", "own_pieces"])
 @pytest.mark.parametrize("below,spec", CASES, ids=IDS)
-def test_ep_statistic_is_the_difference_of_the_energy_terms_parameter_gradients(below, spec):
-    """ep_grads = scale (dE/dtheta(s+) - dE/dtheta(s-)) exactly, and the clamped form's gradient in x matches too."""
+def test_ep_statistic_is_the_difference_of_the_energy_terms_parameter_gradients(below, spec, shared):
+    """ep_grads = scale (dE/dtheta(s+) - dE/dtheta(s-)) exactly: under max pooling on the linear piece of `at` (the
+    free equilibrium's argmax for both phases), or with at None each phase on its own; the clamped form's gradient in
+    x matches too."""
     c, scale = make(below, spec), 0.37
     size = math.prod(c.below_shape)
     above = math.prod(c.above_shape)
-    bp, bm, ap, am = rand(3, size, 5), rand(3, size, 6), rand(3, above, 7), rand(3, above, 8)
+    bp, bm, ap, am, s0 = rand(3, size, 5), rand(3, size, 6), rand(3, above, 7), rand(3, above, 8), rand(3, size, 12)
+    at = s0 if shared else None
+    if not c.maxpool:
+        wp = wm = None
+    elif shared:
+        wp = wm = c.argmax(s0)
+    else:
+        wp, wm = c.argmax(bp), c.argmax(bm)
+    if c.maxpool:  # the phases' own argmax differ from each other's and s0's: the cases the choice tells apart
+        assert (c.argmax(bp) != c.argmax(s0)).any() and (c.argmax(bm) != c.argmax(bp)).any()
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in c.parameters().items()}
     cl = c.rebind(leaves)
-    gp = torch.autograd.grad(cl.energy(bp, ap).sum(), list(leaves.values()))
-    gm = torch.autograd.grad(cl.energy(bm, am).sum(), list(leaves.values()))
+    gp = torch.autograd.grad(piece_energy(cl, bp, ap, wp).sum(), list(leaves.values()))
+    gm = torch.autograd.grad(piece_energy(cl, bm, am, wm).sum(), list(leaves.values()))
     want = {k: scale * (p - m) for k, p, m in zip(leaves, gp, gm)}
-    got = c.ep_grads((bp, ap), (bm, am), scale)
+    got = c.ep_grads((bp, ap), (bm, am), scale, at)
     for k in want:
         torch.testing.assert_close(got[k], want[k])
     x = bp.clone().requires_grad_(True)
@@ -84,6 +106,27 @@ def test_ep_statistic_is_the_difference_of_the_energy_terms_parameter_gradients(
     for k, p, m in zip(leaves, gp, gm):
         torch.testing.assert_close(got[k], scale * (p - m))
     torch.testing.assert_close(gx, scale * (gp[-1] - gm[-1]))
+
+
+@pytest.mark.parametrize(
+    "below,spec", [case for case in CASES if case[1].get("pooling") == "max"], ids=["max2", "max3_odd"]
+)
+def test_max_pooled_statistic_has_no_jump_where_the_phases_argmax_differ(below, spec):
+    """Phases m +- t v about the free state m, one upper layer: the statistic is -2 t scale corr(unpool(a), v), linear
+    in t, also at a t that routes windows differently in the two phases (each phase at its own argmax adds a jump of
+    O(1) / t there)."""
+    c, scale = make(below, spec), 0.37
+    m, v = rand(3, math.prod(c.below_shape), 9), rand(3, math.prod(c.below_shape), 10) - 0.5
+    a = rand(3, math.prod(c.above_shape), 11)
+    assert (c.argmax(m + 0.05 * v) != c.argmax(m - 0.05 * v)).any()  # at t = 0.05 some windows flip; at 5e-6 none
+
+    def per_t(t: float, at: torch.Tensor | None) -> torch.Tensor:
+        return c.ep_grads((m + t * v, a), (m - t * v, a), scale, at)[f"W_{c.name}"] / t
+
+    torch.testing.assert_close(per_t(0.05, m), per_t(0.05e-4, m))
+    assert per_t(0.05, m).norm() > 0
+    own = per_t(0.05, None) - per_t(0.05e-4, None)  # each phase at its own argmax: the flips' jump
+    assert own.norm() > 0.1 * per_t(0.05, m).norm()
 
 
 @pytest.mark.parametrize("below,spec", CASES, ids=IDS)

@@ -17,6 +17,7 @@ from tiny import tiny_batch, tiny_config, tiny_machine
 import trainer2
 from benchmarks.autograd_reference import cosine, exact_grads
 from trainer2.cli import main
+from trainer2.learning import gradients as gradients_module
 from trainer2.learning.step import build_step
 from trainer2.physics.adjoint import adjoint_steps, set_masks
 from trainer2.physics.kernels.backend import nudge_blocker
@@ -150,6 +151,25 @@ def test_scheme_sides_and_divisors():
     assert NudgeScheme((-b,)).sides() == (None, 0) and NudgeScheme((1.0,), "clamp").divisor == 1.0
     with pytest.raises(ValueError):
         NudgeScheme((), "force")
+
+
+@pytest.mark.parametrize("rule", ["ep", "ep_positive", "ep_negative", "coupled", "chl"])
+def test_small_nudges_take_the_statistic_on_the_free_equilibriums_piece_and_chl_on_each_phases_own(rule, monkeypatch):
+    """Max pooling's argmax for both phases' statistic: s0's for the small-nudge rules, each phase's own for CHL's
+    finite contrast (Coupling.ep_grads); what ep_gradients hands the energy's statistic says which."""
+    seen = []
+    real = gradients_module.ep_grads
+
+    def spy(s_plus, s_minus, x, e, scale, at, input_grad=True):
+        seen.append(at)
+        return real(s_plus, s_minus, x, e, scale, at, input_grad)
+
+    monkeypatch.setattr(gradients_module, "ep_grads", spy)
+    _, _, step, x, y = conv_case(rule, CONV_MAX)
+    gradients(step, x, y)
+    assert step.relax.nudge.finite == (rule == "chl")
+    want = None if rule == "chl" else step.relax.s0.s
+    assert len(seen) == 1 and seen[0] is want
 
 
 @pytest.mark.parametrize("dt", [1.0, 0.5])

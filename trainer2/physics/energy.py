@@ -145,12 +145,20 @@ def forces(s: list[Tensor], drive: Tensor, e: Energy, out: list[Tensor]) -> None
 
 
 def ep_grads(
-    s_plus: list[Tensor], s_minus: list[Tensor], x: Tensor, e: Energy, scale: float, input_grad: bool = True
+    s_plus: list[Tensor],
+    s_minus: list[Tensor],
+    x: Tensor,
+    e: Energy,
+    scale: float,
+    at: list[Tensor] | None,
+    input_grad: bool = True,
 ) -> tuple[dict[str, Tensor], Tensor | None]:
     """The EP statistic (dE/dtheta(s+) - dE/dtheta(s-)) * scale of every coupling parameter, by name, and the
     per-example gradient with respect to the clamped input x (B, D), or None without input_grad (data that is not
-    a learned embedding); summed over the batch (callers fold 1/(divisor B) into scale)."""
+    a learned embedding); summed over the batch (callers fold 1/(divisor B) into scale). `at`: the free equilibrium,
+    whose max-pooling argmax both phases take (Coupling.ep_grads), or None for a finite contrast."""
     grads, gx = e.couplings[0].ep_grads_clamped(x, s_plus[0], s_minus[0], scale, input_grad)
     for i, c in enumerate(e.couplings[1:], start=1):
-        grads.update(c.ep_grads((s_plus[i - 1], s_plus[i]), (s_minus[i - 1], s_minus[i]), scale))
+        below = None if at is None else at[i - 1]
+        grads.update(c.ep_grads((s_plus[i - 1], s_plus[i]), (s_minus[i - 1], s_minus[i]), scale, below))
     return grads, gx

@@ -25,11 +25,14 @@ KINDS = ("force", "clamp", "adjoint")
 @dataclass(frozen=True)
 class NudgeScheme:
     """betas: the signed strength of each block of B rows of the stacked nudged workspace, in row order; kind: "force",
-    "clamp" or "adjoint" (no blocks); rule: the name of the rule that asked for it (messages only)."""
+    "clamp" or "adjoint" (no blocks); rule: the name of the rule that asked for it (messages only); finite: the
+    phases are a finite contrast (CHL), not a small nudge, so a piecewise energy term (max pooling) is differentiated
+    on each phase's own piece rather than on the free equilibrium's."""
 
     betas: tuple[float, ...]
     kind: str = "force"
     rule: str = "ep"
+    finite: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -20,4 +20,4 @@ class CHL:
 
     @staticmethod
     def scheme(dynamics: DynamicsConfig) -> NudgeScheme:
-        return NudgeScheme((1.0,), "clamp", CHL.kind)
+        return NudgeScheme((1.0,), "clamp", CHL.kind, finite=True)

@@ -106,8 +106,11 @@ class Dense:
 
     # --- learning ---
 
-    def ep_grads(self, plus: tuple[Tensor, Tensor], minus: tuple[Tensor, Tensor], scale: float) -> dict[str, Tensor]:
-        """-dE/dW = above below^T and -dE/db = above, so the statistic is scale (above- below-^T - above+ below+^T)."""
+    def ep_grads(
+        self, plus: tuple[Tensor, Tensor], minus: tuple[Tensor, Tensor], scale: float, at: Tensor | None
+    ) -> dict[str, Tensor]:
+        """-dE/dW = above below^T and -dE/db = above, so the statistic is scale (above- below-^T - above+ below+^T);
+        bilinear everywhere, so `at` is not read."""
         (bp, ap), (bm, am) = plus, minus
         gw = torch.addmm(torch.mm(am.T, bm), ap.T, bp, beta=scale, alpha=-scale)
         return {f"W_{self.name}": gw, f"b_{self.name}": torch.sub(am, ap).sum(0).mul_(scale)}
