@@ -1,7 +1,11 @@
 """Cosine between the trainer's EP update and the true gradient, on real batches, with a preset's own settings.
 
     python -m benchmarks.ep_cosine --preset dev [--train_windows 500] [--batches 4] [--per_param]
-        [--hidden_sizes 256 256]
+        [--hidden_sizes 256 256] [--FIELD VALUE ...]
+
+Any TrainConfig flag after the options overrides the preset (a conv machine on an image file, for example:
+`--preset conv_deep --data mnist5000.npz --heldout_fraction 0.2 --true_steps 8`; with --true_steps at the preset's
+free steps the reference is the same window's exact gradient, as benchmarks/quality.py measures it).
 
 The true gradient is autograd through a long (converged) relaxation in float64; the EP estimate is the
 trainer's own gradient source (`Trainer.gradients`, EP) with the preset's window lengths and dtype. Printed per
@@ -14,13 +18,18 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
+from pathlib import Path
 
 import torch
 
 import trainer2
 from benchmarks.autograd_reference import cosine, exact_grads
+from trainer2.data.dataset import DataError
+from trainer2.flags import flag_overrides
 from trainer2.physics.machine import move_machine
 from trainer2.running.trainer import Trainer
+from trainer2.train_config import ConfigError
 
 
 def to_float64(machine):
@@ -64,23 +73,26 @@ def measure(trainer: Trainer, batches: int, true_steps: int, per_param: bool = F
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags."
+    )
     p.add_argument("--preset", default="dev")
     p.add_argument("--train_windows", type=int, default=500, help="windows of training before the second measurement")
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--true_steps", type=int, default=400, help="relaxation steps of the converged reference")
     p.add_argument("--per_param", action="store_true", help="also print the cosine of every parameter tensor")
     p.add_argument("--hidden_sizes", type=int, nargs="+", help="override the preset's hidden layers (e.g. 256 256 256)")
-    args = p.parse_args()
+    args, flags = p.parse_known_args()
     hidden = {} if args.hidden_sizes is None else {"hidden_sizes": args.hidden_sizes}
-    cfg = trainer2.config(
-        args.preset,
-        device="cpu",
-        run_name=f"ep_cosine_{args.preset}",
-        max_windows=max(1, args.train_windows),
-        eval_batches=2,
+    values = {
+        "device": "cpu",
+        "run_name": f"ep_cosine_{args.preset}",
+        "max_windows": max(1, args.train_windows),
+        "eval_batches": 2,
         **hidden,
-    )
+        **flag_overrides(flags),
+    }
+    cfg = trainer2.config(args.preset, **values)
     trainer = Trainer(cfg, log=lambda *_: None)
     print(
         f"preset {args.preset}, layers {cfg.layers}: "
@@ -101,4 +113,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ConfigError, DataError) as e:
+        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)  # as the trainer's command line does

@@ -23,7 +23,7 @@ from trainer2.physics.adjoint import adjoint_steps, set_masks
 from trainer2.physics.kernels.backend import nudge_blocker
 from trainer2.physics.machine import move_machine
 from trainer2.physics.nudge import NudgeScheme
-from trainer2.running.checkpoint import check_config, saved_config
+from trainer2.running.checkpoint import ADDED_FIELDS, check_config, saved_config
 from trainer2.running.step_runner import StepRunner, step_tensors
 from trainer2.section import ConfigError
 from trainer2.train_config import TrainConfig, build_config
@@ -153,10 +153,14 @@ def test_scheme_sides_and_divisors():
         NudgeScheme((), "force")
 
 
+@pytest.mark.parametrize("argmax", ["free", "own"])
 @pytest.mark.parametrize("rule", ["ep", "ep_positive", "ep_negative", "coupled", "chl"])
-def test_small_nudges_take_the_statistic_on_the_free_equilibriums_piece_and_chl_on_each_phases_own(rule, monkeypatch):
-    """Max pooling's argmax for both phases' statistic: s0's for the small-nudge rules, each phase's own for CHL's
-    finite contrast (Coupling.ep_grads); what ep_gradients hands the energy's statistic says which."""
+def test_small_nudges_take_the_statistic_on_the_argmax_maxpool_argmax_names_and_chl_on_each_phases_own(
+    rule, argmax, monkeypatch
+):
+    """Max pooling's argmax for both phases' statistic: s0's for the small-nudge rules with `maxpool_argmax: free`,
+    each phase's own with `own` (the default); always each phase's own for CHL's finite contrast (Coupling.ep_grads);
+    what ep_gradients hands the energy's statistic says which."""
     seen = []
     real = gradients_module.ep_grads
 
@@ -165,10 +169,11 @@ def test_small_nudges_take_the_statistic_on_the_free_equilibriums_piece_and_chl_
         return real(s_plus, s_minus, x, e, scale, at, input_grad)
 
     monkeypatch.setattr(gradients_module, "ep_grads", spy)
-    _, _, step, x, y = conv_case(rule, CONV_MAX)
+    _, _, step, x, y = conv_case(rule, CONV_MAX, **({} if argmax == "own" else {"maxpool_argmax": argmax}))
     gradients(step, x, y)
-    assert step.relax.nudge.finite == (rule == "chl")
-    want = None if rule == "chl" else step.relax.s0.s
+    own = rule == "chl" or argmax == "own"
+    assert step.relax.nudge.own_argmax == own
+    want = None if own else step.relax.s0.s
     assert len(seen) == 1 and seen[0] is want
 
 
@@ -309,6 +314,17 @@ def test_a_checkpoint_config_without_rule_keeps_what_its_run_did(tmp_path):
     check_config({**old, "symmetric_nudge": False}, one_sided, tmp_path)
     with pytest.raises(ValueError, match="rule: checkpoint has 'ep_positive', requested 'ep'"):
         check_config({**old, "symmetric_nudge": False}, TrainConfig(), tmp_path)
+
+
+def test_a_checkpoint_config_from_before_maxpool_argmax_keeps_each_phases_own(tmp_path):
+    """Checkpoints written before the field took max pooling's statistic at each phase's own argmax: they resume so,
+    whatever the default, and resuming one with the other is refused by name."""
+    old = {k: v for k, v in TrainConfig().model_dump(mode="json").items() if k != "maxpool_argmax"}
+    resumed = build_config([("checkpoint", saved_config(old))])
+    assert resumed.maxpool_argmax == "own" and resumed.own_argmax and ADDED_FIELDS["maxpool_argmax"] == "own"
+    check_config(old, resumed, tmp_path)
+    with pytest.raises(ValueError, match="maxpool_argmax: checkpoint has 'own', requested 'free'"):
+        check_config(old, TrainConfig(maxpool_argmax="free"), tmp_path)
 
 
 def test_the_rule_is_recorded_and_resuming_with_another_is_refused(tmp_path, small_text, capsys, monkeypatch):

@@ -156,7 +156,7 @@ def ep_grads(
     """The EP statistic (dE/dtheta(s+) - dE/dtheta(s-)) * scale of every coupling parameter, by name, and the
     per-example gradient with respect to the clamped input x (B, D), or None without input_grad (data that is not
     a learned embedding); summed over the batch (callers fold 1/(divisor B) into scale). `at`: the free equilibrium,
-    whose max-pooling argmax both phases take (Coupling.ep_grads), or None for a finite contrast."""
+    whose max-pooling argmax both phases take (Coupling.ep_grads), or None for each phase's own."""
     grads, gx = e.couplings[0].ep_grads_clamped(x, s_plus[0], s_minus[0], scale, input_grad)
     for i, c in enumerate(e.couplings[1:], start=1):
         below = None if at is None else at[i - 1]

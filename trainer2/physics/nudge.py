@@ -25,14 +25,14 @@ KINDS = ("force", "clamp", "adjoint")
 @dataclass(frozen=True)
 class NudgeScheme:
     """betas: the signed strength of each block of B rows of the stacked nudged workspace, in row order; kind: "force",
-    "clamp" or "adjoint" (no blocks); rule: the name of the rule that asked for it (messages only); finite: the
-    phases are a finite contrast (CHL), not a small nudge, so a piecewise energy term (max pooling) is differentiated
-    on each phase's own piece rather than on the free equilibrium's."""
+    "clamp" or "adjoint" (no blocks); rule: the name of the rule that asked for it (messages only); own_argmax: a
+    piecewise energy term (max pooling) is differentiated on each phase's own piece (CHL's finite contrast; the small
+    nudges by default, `maxpool_argmax: own`) rather than on the free equilibrium's (`free`)."""
 
     betas: tuple[float, ...]
     kind: str = "force"
     rule: str = "ep"
-    finite: bool = False
+    own_argmax: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -41,9 +41,9 @@ class NudgeScheme:
             raise ValueError(f"{self.kind} scheme: {'no' if self.kind == 'adjoint' else 'at least one'} nudged phase")
 
     @staticmethod
-    def centred(beta: float, rule: str = "ep") -> "NudgeScheme":
+    def centred(beta: float, rule: str = "ep", own_argmax: bool = False) -> "NudgeScheme":
         """+beta and -beta, the centred EP estimate (the default rule's)."""
-        return NudgeScheme((beta, -beta), "force", rule)
+        return NudgeScheme((beta, -beta), "force", rule, own_argmax)
 
     @property
     def phases(self) -> int:

@@ -75,12 +75,23 @@ class DynamicsConfig(Section):
         description="Relaxation phases: 'torch' operators, or 'triton' (one kernel launch per phase; needs the kernels "
         "extra and a CUDA device); 'auto' takes triton on CUDA where it can run, torch otherwise.",
     )
+    maxpool_argmax: Literal["own", "free"] = Field(
+        "own",
+        description="Max pooling: where the EP rules' statistic unpools the nudged phases: 'own', each phase at its "
+        "own argmax (as autograd of the energy per phase does, Laborieux et al. 2021; a window whose argmax differs "
+        "between the phases adds a jump of O(1/beta)); 'free', both at the free equilibrium's (one linear piece of E, "
+        "the one the exact gradient differentiates: nearer it, but conv_deep trains worse so). CHL always takes own.",
+    )
     readout_backend: Literal["auto", "torch", "triton"] = Field(
         "auto",
         description="The retrieval readout's loss and gradients at the free equilibrium: 'torch' operators, or "
         "'triton' (one kernel launch; needs the kernels extra and a CUDA device); 'auto' keeps torch until a GPU has "
         "run the kernel.",
     )
+
+    @property
+    def own_argmax(self) -> bool:
+        return self.maxpool_argmax == "own"
 
     @model_validator(mode="after")
     def _stable(self) -> "DynamicsConfig":
@@ -151,7 +162,7 @@ class Relaxation:
         num_cand = machine.num_classes + (0 if memory is None else memory.coords.shape[0])
         self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass, cfg.relaxation)  # the one place the order is read
         self.cost = resolve("cost", machine.spec.cost)  # trainer2.physics.costs, found once
-        self.nudge = NudgeScheme.centred(cfg.beta_nudge) if scheme is None else scheme
+        self.nudge = NudgeScheme.centred(cfg.beta_nudge, own_argmax=cfg.own_argmax) if scheme is None else scheme
         # The relaxation's backend (torch operators, or one Triton launch per phase), chosen once per run, not per step
         kinds, served = machine.energy.kinds(), nudge_blocker(self.nudge, self.cost.kind, self.cost.folded)
         self.backend = choose_backend(

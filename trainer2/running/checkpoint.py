@@ -94,6 +94,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "rule": "ep",
     "cost": "retrieval",
     "validation_fraction": 0.0,
+    "maxpool_argmax": "own",  # what the EP statistic always did (each phase's own argmax)
 }
 
 

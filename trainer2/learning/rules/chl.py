@@ -20,4 +20,4 @@ class CHL:
 
     @staticmethod
     def scheme(dynamics: DynamicsConfig) -> NudgeScheme:
-        return NudgeScheme((1.0,), "clamp", CHL.kind, finite=True)
+        return NudgeScheme((1.0,), "clamp", CHL.kind, own_argmax=True)

@@ -20,4 +20,4 @@ class Coupled:
     @staticmethod
     def scheme(dynamics: DynamicsConfig) -> NudgeScheme:
         eta = dynamics.beta_nudge
-        return NudgeScheme((eta, -eta), "clamp", Coupled.kind)
+        return NudgeScheme((eta, -eta), "clamp", Coupled.kind, dynamics.own_argmax)

@@ -20,7 +20,7 @@ class EP:
 
     @staticmethod
     def scheme(dynamics: DynamicsConfig) -> NudgeScheme:
-        return NudgeScheme.centred(dynamics.beta_nudge, EP.kind)
+        return NudgeScheme.centred(dynamics.beta_nudge, EP.kind, dynamics.own_argmax)
 
 
 class EPPositive:
@@ -31,7 +31,7 @@ class EPPositive:
 
     @staticmethod
     def scheme(dynamics: DynamicsConfig) -> NudgeScheme:
-        return NudgeScheme((dynamics.beta_nudge,), "force", EPPositive.kind)
+        return NudgeScheme((dynamics.beta_nudge,), "force", EPPositive.kind, dynamics.own_argmax)
 
 
 class EPNegative:
@@ -42,4 +42,4 @@ class EPNegative:
 
     @staticmethod
     def scheme(dynamics: DynamicsConfig) -> NudgeScheme:
-        return NudgeScheme((-dynamics.beta_nudge,), "force", EPNegative.kind)
+        return NudgeScheme((-dynamics.beta_nudge,), "force", EPNegative.kind, dynamics.own_argmax)

@@ -14,7 +14,10 @@ layer below its adjoint, conv_transpose2d(above, K', stride p). The EP statistic
 Max pooling (the conv Hopfield energies of Laborieux et al. 2021): the term is piecewise bilinear; where the argmax of
 each window of conv_K(below) is unique, -dE/d(below) = conv_K^T unpool(above) with the argmax positions of the
 current `below` (the pulls on the layer below take it), and the EP statistic is the correlation of unpool(above)
-with below at stride 1, both phases unpooled at the free equilibrium's argmax (ep_grads says why).
+with below at stride 1, each phase unpooled at its own argmax (ep_grads' `at` None: `maxpool_argmax: own`, the
+default, and CHL's finite contrast), or both at the argmax of `at`, the free equilibrium's lower layer (`free`: the
+piece of E the exact gradient differentiates; each at its own adds a jump of O(1/beta) wherever a window's argmax
+differs between the phases; docs/images.md).
 
 The spectral cap is power iteration on the linear part (A; for max pooling conv_K, since max pooling is
 1-Lipschitz). Each pull allocates its convolution's output (torch has no out= convolution), and the adjoint one
@@ -30,6 +33,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from trainer2.physics.couplings.coupling import Sides
 
 SPEC_KEYS = {"channels", "kernel", "pool", "pooling"}
 POOLINGS = ("avg", "max")
@@ -234,18 +239,8 @@ class Conv:
         """(C_out,) the sum of `above` over rows and pixels: the gradient of above . b in b."""
         return above.reshape(above.shape[0], self.above_shape[0], -1).sum((0, 2))
 
-    def ep_grads(
-        self, plus: tuple[Tensor, Tensor], minus: tuple[Tensor, Tensor], scale: float, at: Tensor | None
-    ) -> dict[str, Tensor]:
-        """-dE/dK is the correlation of above with below, so the statistic is scale (corr(s-) - corr(s+)): one
-        correlation over the rows of both phases, the plus phase's upper layer negated.
-
-        Max pooling: both phases' upper layers are unpooled at the argmax of `at` (the layer below at the free
-        equilibrium), so the difference is taken on the linear piece of E that the exact gradient there
-        differentiates. Each phase at its own argmax would add, for every window whose argmax differs between the
-        phases (near-ties), a jump of O(1) / beta that does not shrink with beta: on a trained conv_deep machine the
-        W_3 cosine to the exact gradient was 0.72 that way and 0.99 this way (docs/images.md). With `at` None each
-        phase takes its own argmax: CHL's finite contrast E(clamped) - E(free) differentiates each on its own piece."""
+    def ep_grads(self, plus: Sides, minus: Sides, scale: float, at: Tensor | None) -> dict[str, Tensor]:
+        """scale (corr(s-) - corr(s+)) of above with below (-dE/dK), one correlation; `at`: the module docstring."""
         (bp, ap), (bm, am) = plus, minus
         if self.maxpool:
             wp, wm = (self.argmax(bp), self.argmax(bm)) if at is None else (self.argmax(at),) * 2

@@ -15,6 +15,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from trainer2.physics.couplings.coupling import Sides
+
 
 @dataclass(frozen=True)
 class Dense:
@@ -106,9 +108,7 @@ class Dense:
 
     # --- learning ---
 
-    def ep_grads(
-        self, plus: tuple[Tensor, Tensor], minus: tuple[Tensor, Tensor], scale: float, at: Tensor | None
-    ) -> dict[str, Tensor]:
+    def ep_grads(self, plus: Sides, minus: Sides, scale: float, at: Tensor | None) -> dict[str, Tensor]:
         """-dE/dW = above below^T and -dE/db = above, so the statistic is scale (above- below-^T - above+ below+^T);
         bilinear everywhere, so `at` is not read."""
         (bp, ap), (bm, am) = plus, minus
