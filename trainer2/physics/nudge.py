@@ -32,7 +32,7 @@ class NudgeScheme:
     betas: tuple[float, ...]
     kind: str = "force"
     rule: str = "ep"
-    own_argmax: bool = False
+    own_argmax: bool = True  # what every rule did before maxpool_argmax; a rule of the user's that omits it keeps it
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -41,7 +41,7 @@ class NudgeScheme:
             raise ValueError(f"{self.kind} scheme: {'no' if self.kind == 'adjoint' else 'at least one'} nudged phase")
 
     @staticmethod
-    def centred(beta: float, rule: str = "ep", own_argmax: bool = False) -> "NudgeScheme":
+    def centred(beta: float, rule: str = "ep", own_argmax: bool = True) -> "NudgeScheme":
         """+beta and -beta, the centred EP estimate (the default rule's)."""
         return NudgeScheme((beta, -beta), "force", rule, own_argmax)
 
