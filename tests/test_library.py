@@ -204,6 +204,35 @@ def test_a_coupling_of_the_users_own_module_trains_by_its_dotted_name(tmp_path, 
     assert model.machine.energy.couplings[0].weight.shape[0] == 16  # its spec_size ran: 2 x 8 units
 
 
+THREE_ARGUMENT_COUPLING = '''
+import trainer2
+
+CALLS = []
+
+
+class ThreeArgumentDense(trainer2.Dense):
+    """Written before ep_grads took `at` (max pooling's piece): its statistic takes three arguments."""
+
+    def ep_grads(self, plus, minus, scale):
+        CALLS.append(scale)
+        return trainer2.Dense.ep_grads(self, plus, minus, scale)
+'''
+
+
+@pytest.mark.parametrize("rule", ["ep", "rbp"])
+def test_a_coupling_whose_statistic_takes_the_three_arguments_of_before_still_trains(tmp_path, monkeypatch, rule):
+    """`at` goes only to a piecewise coupling (down_reads_below), so a bilinear coupling of the user's written to the
+    protocol before it is still called, by EP's statistic and by recurrent backprop's, once a window."""
+    module = f"old_couplings_{rule}"  # one module per case: its CALLS count that case's windows
+    (tmp_path / f"{module}.py").write_text(THREE_ARGUMENT_COUPLING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    layers = [{"dense": 8}, {f"{module}.ThreeArgumentDense": 6}]  # the second: not driven by the input
+    cfg = trainer2.config("dev", layers=layers, rule=rule, max_windows=2, eval_batches=1, checkpoint_dir="ck")
+    run = trainer2.train(cfg)
+    assert run.summary["windows"] == 2 and len(sys.modules[module].CALLS) == 2
+
+
 @pytest.mark.parametrize(
     ("kind", "says"),
     [

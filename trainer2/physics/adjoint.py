@@ -108,7 +108,8 @@ def adjoint_grads(
     grads, gx = c[0].ep_grads_clamped(x, plus, minus, 1.0 / (2 * batch), input_grad)
     for i in range(1, len(c)):
         (bp, bm), (ap, am) = sides(i - 1), sides(i)
-        grads.update(c[i].ep_grads((bp, ap), (bm, am), 1.0 / (2 * batch), s0[i - 1]))
+        piece = {"at": s0[i - 1]} if c[i].down_reads_below else {}  # s0's piece of a max-pooled term
+        grads.update(c[i].ep_grads((bp, ap), (bm, am), 1.0 / (2 * batch), **piece))
     for g in grads.values():
         g.mul_(size)
     return grads, None if gx is None else gx.mul_(size)

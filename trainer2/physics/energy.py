@@ -159,6 +159,7 @@ def ep_grads(
     whose max-pooling argmax both phases take (Coupling.ep_grads), or None for each phase's own."""
     grads, gx = e.couplings[0].ep_grads_clamped(x, s_plus[0], s_minus[0], scale, input_grad)
     for i, c in enumerate(e.couplings[1:], start=1):
-        below = None if at is None else at[i - 1]
-        grads.update(c.ep_grads((s_plus[i - 1], s_plus[i]), (s_minus[i - 1], s_minus[i]), scale, below))
+        # only a piecewise coupling is handed `at` (a bilinear one may keep the three arguments of before it)
+        piece = {"at": at[i - 1]} if at is not None and c.down_reads_below else {}
+        grads.update(c.ep_grads((s_plus[i - 1], s_plus[i]), (s_minus[i - 1], s_minus[i]), scale, **piece))
     return grads, gx

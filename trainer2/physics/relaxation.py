@@ -80,7 +80,8 @@ class DynamicsConfig(Section):
         description="Max pooling: where the EP rules' statistic unpools the nudged phases: 'own', each phase at its "
         "own argmax (as autograd of the energy per phase does, Laborieux et al. 2021; a window whose argmax differs "
         "between the phases adds a jump of O(1/beta)); 'free', both at the free equilibrium's (one linear piece of E, "
-        "the one the exact gradient differentiates: nearer it, but conv_deep trains worse so). CHL always takes own.",
+        "the one the exact gradient differentiates: nearer it, but conv_deep trains worse so). CHL always takes own, "
+        "rbp always s0's; a rule of your own passes dynamics.own_argmax to its NudgeScheme.",
     )
     readout_backend: Literal["auto", "torch", "triton"] = Field(
         "auto",

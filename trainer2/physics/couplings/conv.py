@@ -239,7 +239,7 @@ class Conv:
         """(C_out,) the sum of `above` over rows and pixels: the gradient of above . b in b."""
         return above.reshape(above.shape[0], self.above_shape[0], -1).sum((0, 2))
 
-    def ep_grads(self, plus: Sides, minus: Sides, scale: float, at: Tensor | None) -> dict[str, Tensor]:
+    def ep_grads(self, plus: Sides, minus: Sides, scale: float, at: Tensor | None = None) -> dict[str, Tensor]:
         """scale (corr(s-) - corr(s+)) of above with below (-dE/dK), one correlation; `at`: the module docstring."""
         (bp, ap), (bm, am) = plus, minus
         if self.maxpool:

@@ -90,11 +90,11 @@ class Coupling(Protocol):
     def energy(self, below: Tensor, above: Tensor) -> Tensor:
         """E_c per example (R,); for tests and diagnostics, not the hot loop."""
 
-    def ep_grads(self, plus: Sides, minus: Sides, scale: float, at: Tensor | None) -> dict[str, Tensor]:
+    def ep_grads(self, plus: Sides, minus: Sides, scale: float, at: Tensor | None = None) -> dict[str, Tensor]:
         """The EP statistic scale * (dE_c/dtheta(s+) - dE_c/dtheta(s-)), summed over rows, per parameter name; plus and
-        minus are (below, above) of the two nudged equilibria. A piecewise term (max pooling) takes both on the piece
-        of `at`, the layer below at the free equilibrium, or with None each on its own (CHL's finite contrast, or
-        `maxpool_argmax: own`)."""
+        minus are (below, above) of the two nudged equilibria. A piecewise term (max pooling, down_reads_below) takes
+        both on the piece of `at`, the layer below at the free equilibrium, or with None each on its own (CHL;
+        `maxpool_argmax: own`); a bilinear one is never handed `at`, so it may take three arguments."""
 
     def ep_grads_clamped(
         self, x: Tensor, plus: Tensor, minus: Tensor, scale: float, input_grad: bool = True

@@ -108,7 +108,7 @@ class Dense:
 
     # --- learning ---
 
-    def ep_grads(self, plus: Sides, minus: Sides, scale: float, at: Tensor | None) -> dict[str, Tensor]:
+    def ep_grads(self, plus: Sides, minus: Sides, scale: float, at: Tensor | None = None) -> dict[str, Tensor]:
         """-dE/dW = above below^T and -dE/db = above, so the statistic is scale (above- below-^T - above+ below+^T);
         bilinear everywhere, so `at` is not read."""
         (bp, ap), (bm, am) = plus, minus
