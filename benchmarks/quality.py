@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 from benchmarks.ep_cosine import measure
 from benchmarks.exact_gradient_reference import benchmark_config, exact_trainer, train_feedforward
 from trainer2.data.dataset import DataError
+from trainer2.running.signals import exit_code
 from trainer2.running.trainer import Trainer
 from trainer2.train_config import ConfigError
 
@@ -46,8 +48,18 @@ def max_rise(history: list[dict[str, float]], metric: str = "heldout_bpc") -> fl
     return rise
 
 
+class Stopped(Exception):
+    """A run was stopped by a signal (Ctrl-C, SIGTERM): a part-trained run's figures compare nothing, so none print."""
+
+    def __init__(self, summary: dict) -> None:
+        self.signal = signal.Signals[summary["interrupted"]]
+        super().__init__(f"stopped by {self.signal.name} after window {summary['windows']}; no figures")
+
+
 def run(trainer: Trainer, metric: str) -> dict[str, float | list]:
     summary = trainer.train()
+    if summary["interrupted"]:
+        raise Stopped(summary)
     curve = [(int(r["examples"]), round(r[metric], 4)) for r in trainer.history if metric in r]
     return {**summary, "max_rise": max_rise(trainer.history, metric), "curve": curve}
 
@@ -117,9 +129,17 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"config": cfg.model_dump(), **res}, indent=2) + "\n")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """main, with a user's mistake or a stop signal one line on stderr and the trainer's exit status."""
     try:
         main()
     except (ConfigError, DataError) as e:
         print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
         sys.exit(2)  # as the trainer's command line does
+    except Stopped as e:
+        print(f"{Path(__file__).name}: {e}", file=sys.stderr)
+        sys.exit(exit_code(e.signal))  # 128 + the signal's number, as the trainer's command line exits
+
+
+if __name__ == "__main__":
+    cli()

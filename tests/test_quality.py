@@ -217,3 +217,24 @@ def test_production_preset_ep_update_tracks_the_exact_gradient():
     a = torch.cat([est[n].flatten() for n in keep])
     b = torch.cat([ref[n].flatten() for n in keep])
     assert cosine(a, b) > 0.999
+
+
+def test_a_run_stopped_by_a_signal_ends_the_benchmark_with_its_exit_status(monkeypatch, capsys):
+    """A stopped run's summary has no held-out figure; the benchmark says so and exits as the trainer would."""
+
+    class StoppedTrainer:
+        data = dataclasses.make_dataclass("Data", [("kind", str)])("images")
+        history: list = []
+
+        def __init__(self, cfg, log) -> None:
+            pass
+
+        def train(self) -> dict:
+            return {"interrupted": "SIGTERM", "windows": 7}
+
+    monkeypatch.setattr(quality, "Trainer", StoppedTrainer)
+    monkeypatch.setattr(sys, "argv", ["quality.py", "--preset", "dev", "--examples", "64"])
+    with pytest.raises(SystemExit) as e:
+        quality.cli()
+    err = capsys.readouterr().err
+    assert e.value.code == 143 and "quality.py: stopped by SIGTERM after window 7; no figures" in err

@@ -7,6 +7,7 @@ preallocated workspaces for one batch size, so its windows allocate nothing.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -164,6 +165,7 @@ class Relaxation:
         self.integ = Integrator(cfg.dt, cfg.gamma, cfg.mass, cfg.relaxation)  # the one place the order is read
         self.cost = resolve("cost", machine.spec.cost)  # trainer2.physics.costs, found once
         self.nudge = NudgeScheme.centred(cfg.beta_nudge, own_argmax=cfg.own_argmax) if scheme is None else scheme
+        refuse_pieces_without_at(machine, self.nudge)
         # The relaxation's backend (torch operators, or one Triton launch per phase), chosen once per run, not per step
         kinds, served = machine.energy.kinds(), nudge_blocker(self.nudge, self.cost.kind, self.cost.folded)
         self.backend = choose_backend(
@@ -371,6 +373,21 @@ class Relaxation:
         """Held-out scoring: (summed loss in nats, number correct), both 0-dim, after a free phase."""
         loss, probs = self.readout_scores(self.free_phase(inputs, targets))
         return loss.sum(), (probs.argmax(1) == targets).sum()
+
+
+def refuse_pieces_without_at(machine: Machine, nudge: NudgeScheme) -> None:
+    """A piecewise coupling (down_reads_below) whose ep_grads takes no `at` (written to the protocol before it) is
+    refused by name where the rule hands it one: `maxpool_argmax: free`, and recurrent backprop (s0's piece)."""
+    if nudge.own_argmax and nudge.kind != "adjoint":
+        return  # each phase on its own piece: ep_grads is called with three arguments
+    for c, kind in zip(machine.energy.couplings[1:], machine.energy.kinds()[1:]):
+        if c.down_reads_below and "at" not in inspect.signature(c.ep_grads).parameters:
+            why = "recurrent backprop (rule: rbp)" if nudge.kind == "adjoint" else "maxpool_argmax: free"
+            raise ConfigError(
+                f"coupling {kind} is piecewise (down_reads_below) and its ep_grads takes no `at`, the lower layer "
+                f"whose piece {why} differentiates: add `at: Tensor | None = None` (trainer2.Coupling.ep_grads), "
+                "or use maxpool_argmax: own with an EP rule"
+            )
 
 
 def adjoint_workspace(machine: Machine, batch: int, integ: Integrator) -> AdjointWorkspace:
