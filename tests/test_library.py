@@ -242,32 +242,45 @@ class ThreeArgumentConv(trainer2.Conv):
 
     def ep_grads(self, plus, minus, scale):
         return trainer2.Conv.ep_grads(self, plus, minus, scale)
+
+
+class KeywordConv(trainer2.Conv):
+    """One that passes on whatever keywords it is given."""
+
+    def ep_grads(self, plus, minus, scale, **kw):
+        return trainer2.Conv.ep_grads(self, plus, minus, scale, **kw)
 '''
 
 
 @pytest.mark.parametrize(
-    ("flags", "says"),
-    [({}, None), ({"rule": "rbp"}, "recurrent backprop"), ({"maxpool_argmax": "free"}, "maxpool_argmax: free")],
+    ("cls", "flags", "says"),
+    [
+        ("ThreeArgumentConv", {}, None),
+        ("ThreeArgumentConv", {"rule": "rbp"}, "recurrent backprop"),
+        ("ThreeArgumentConv", {"maxpool_argmax": "free"}, "maxpool_argmax: free"),
+        ("KeywordConv", {"rule": "rbp"}, None),
+    ],
 )
 def test_a_piecewise_coupling_without_at_is_refused_by_name_where_its_piece_is_handed_to_it(
-    tmp_path, monkeypatch, flags, says
+    tmp_path, monkeypatch, cls, flags, says
 ):
     """Each phase at its own argmax calls the three arguments, so the default trains; recurrent backprop and the free
-    equilibrium's argmax would hand `at` to a statistic that cannot take it: refused up front, naming the coupling."""
-    module = f"old_pooled_{len(flags) and next(iter(flags))}"
+    equilibrium's argmax would hand `at` to a statistic that cannot take it: refused up front, naming the coupling;
+    one that takes any keyword (**kw) is handed `at` and trains."""
+    module = f"old_pooled_{cls}_{len(flags) and next(iter(flags))}"
     (tmp_path / f"{module}.py").write_text(THREE_ARGUMENT_MAX_POOLED)
     monkeypatch.syspath_prepend(str(tmp_path))
     rng = np.random.default_rng(1)
     y = rng.integers(0, 2, 64)
     x = rng.integers(0, 255, size=(64, 8, 8)).astype(np.uint8)
     data = trainer2.from_arrays(x[:48], y[:48], x[48:], y[48:])
-    pooled = {f"{module}.ThreeArgumentConv": {"channels": 3, "pool": 2, "pooling": "max"}}
+    pooled = {f"{module}.{cls}": {"channels": 3, "pool": 2, "pooling": "max"}}
     layers = [{"conv": {"channels": 2, "pool": 1}}, pooled]  # the second: handed `at` where a rule reads its piece
     cfg = trainer2.config(None, **{**TINY, "layers": layers, "max_windows": 2, **flags})
     if says is None:
         assert trainer2.train(cfg, data, run_dir=tmp_path / "own", log=quiet).summary["windows"] == 2
         return
-    with pytest.raises(trainer2.ConfigError, match=f"coupling {module}.ThreeArgumentConv is piecewise") as e:
+    with pytest.raises(trainer2.ConfigError, match=f"coupling {module}.{cls} is piecewise") as e:
         trainer2.train(cfg, data, run_dir=tmp_path / "refused", log=quiet)
     assert says in str(e.value) and "at: Tensor | None = None" in str(e.value)
 

@@ -381,7 +381,8 @@ def refuse_pieces_without_at(machine: Machine, nudge: NudgeScheme) -> None:
     if nudge.own_argmax and nudge.kind != "adjoint":
         return  # each phase on its own piece: ep_grads is called with three arguments
     for c, kind in zip(machine.energy.couplings[1:], machine.energy.kinds()[1:]):
-        if c.down_reads_below and "at" not in inspect.signature(c.ep_grads).parameters:
+        params = inspect.signature(c.ep_grads).parameters
+        if c.down_reads_below and "at" not in params and all(p.kind != p.VAR_KEYWORD for p in params.values()):
             why = "recurrent backprop (rule: rbp)" if nudge.kind == "adjoint" else "maxpool_argmax: free"
             raise ConfigError(
                 f"coupling {kind} is piecewise (down_reads_below) and its ep_grads takes no `at`, the lower layer "
