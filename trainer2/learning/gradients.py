@@ -58,7 +58,7 @@ def ep_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResu
     with relax.phase("update"):  # forming the gradients counts as part of the update
         scale = 1.0 / (relax.nudge.divisor * relax.batch)
         # Only a learned embedding needs the input's gradient (on images it is a transposed convolution per window).
-        at = None if relax.nudge.own_argmax else relax.s0.s  # both phases on s0's piece of E, or each on its own
+        at = relax.s0.s if relax.nudge.on_free_piece else None  # both phases on s0's piece of E, or each on its own
         grads, gx = ep_grads(relax.s_plus, relax.s_minus, free.x, m.energy, scale, at, input_grad=m.emb is not None)
         return step_result(relax, free, inputs, grads, gx, stats)
 

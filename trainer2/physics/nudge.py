@@ -46,6 +46,12 @@ class NudgeScheme:
         return NudgeScheme((beta, -beta), "force", rule, own_argmax)
 
     @property
+    def on_free_piece(self) -> bool:
+        """A piecewise term's statistic is taken on the free equilibrium's piece (ep_grads is handed `at`): recurrent
+        backprop's s0 always, the nudged phases with `maxpool_argmax: free`."""
+        return self.kind == "adjoint" or not self.own_argmax
+
+    @property
     def phases(self) -> int:
         """Nudged phases per batch (row blocks of the nudged workspace); 0 for the adjoint."""
         return len(self.betas)

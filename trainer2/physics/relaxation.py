@@ -378,7 +378,7 @@ class Relaxation:
 def refuse_pieces_without_at(machine: Machine, nudge: NudgeScheme) -> None:
     """A piecewise coupling (down_reads_below) whose ep_grads takes no `at` (written to the protocol before it) is
     refused by name where the rule hands it one: `maxpool_argmax: free`, and recurrent backprop (s0's piece)."""
-    if nudge.own_argmax and nudge.kind != "adjoint":
+    if not nudge.on_free_piece:
         return  # each phase on its own piece: ep_grads is called with three arguments
     for c, kind in zip(machine.energy.couplings[1:], machine.energy.kinds()[1:]):
         params = inspect.signature(c.ep_grads).parameters
