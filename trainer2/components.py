@@ -9,6 +9,8 @@ and checkpoints record, so a run that names `my_couplings.WideDense` resumes onl
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from trainer2.section import ConfigError
@@ -96,3 +98,10 @@ def resolve(kind: str, name: str) -> Any:
     if missing:
         raise ComponentError(f"{kind} {name!r} is not a {kind}: it lacks {', '.join(missing)}")
     return found
+
+
+def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether fn accepts the keyword argument `name`, by name or through **kwargs (a component written to the
+    protocol before the argument came may not)."""
+    params = inspect.signature(fn).parameters
+    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())

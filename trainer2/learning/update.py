@@ -207,10 +207,13 @@ def fused_update(table: ParamTable, cfg: UpdateConfig, spec: MachineConfig):
 def fused_caps(machine: Machine) -> list[Callable[[Tensor], None]]:
     """The spectral cap of each coupling between state layers for the Triton update, called with its power vector:
     one launch (trainer2.physics.kernels.cap_power) for a dense coupling whose W one program holds, else the coupling's
-    own cap_power. Imports triton, so call it only once triton is chosen."""
+    own cap_power (always under spectral_cap_mode clip: the kernel scales). Imports triton, so call it only once
+    triton is chosen."""
     from trainer2.physics.kernels.cap_power import CapPower, fits
 
     cap = coupling_cap(machine.spec)  # a subclass of Dense may cap otherwise: only Dense itself takes the kernel
+    if machine.spec.spectral_cap_mode == "clip":
+        return [partial(c.cap_power, cap, clip=True) for c in machine.energy.between_states]
     return [
         CapPower(c.weight, cap) if type(c) is Dense and fits(c.weight) else partial(c.cap_power, cap)
         for c in machine.energy.between_states

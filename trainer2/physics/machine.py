@@ -11,7 +11,8 @@ import torch
 from pydantic import Field, field_validator, model_validator
 from torch import Tensor
 
-from trainer2.components import BUILTIN, resolve
+from trainer2.components import BUILTIN, resolve, takes_keyword
+from trainer2.physics.couplings.coupling import CLIP_SLACK
 from trainer2.physics.energy import Energy, init_energy
 from trainer2.physics.readout import Candidates, ReadoutParams, RotorLayout, rotor_layout
 from trainer2.section import ConfigError, Section, short_repr
@@ -59,6 +60,14 @@ class MachineConfig(Section):
         "each coupling between state layers is capped at kappa / (2 cos(pi/(M+2))) "
         "for M hidden layers (kappa itself for one).",
     )
+    spectral_cap_mode: Literal["scale", "clip"] = Field(
+        "scale",
+        description="How an update that lifts a coupling's norm over its cap is undone: 'scale' multiplies the "
+        "coupling by cap / norm (every direction shrinks, also the channels or units the gradient no longer reaches, "
+        "which decay toward zero over a run); 'clip' takes the excess off the top singular direction only (the "
+        "first-order projection onto the cap), rescaling only where the norm stays over 1.02 x the cap "
+        "(docs/images.md#the-spectral-cap-clipped-not-scaled).",
+    )
     memory_capacity: int = Field(
         0, ge=0, le=2**31, description="Slots of the memory bank of recent equilibria; 0 = off."
     )
@@ -92,6 +101,11 @@ class MachineConfig(Section):
 
     @model_validator(mode="after")
     def _clamps(self) -> "MachineConfig":
+        if self.spectral_cap_mode == "clip" and self.spectral_cap * CLIP_SLACK >= 1.0:
+            raise ValueError(
+                f"spectral_cap_mode clip lets a coupling sit up to {CLIP_SLACK} x its cap, so spectral_cap "
+                f"({self.spectral_cap}) must stay below {1 / CLIP_SLACK:.4f}, where E is still convex"
+            )
         if self.g_min >= self.g_max:
             raise ValueError(f"g_min ({self.g_min}) must be below g_max ({self.g_max})")
         if self.memory_capacity and not resolve("cost", self.cost).memory_bank:
@@ -182,6 +196,7 @@ def build_machine(
     )
     m = assemble(emb, energy, readout, rotor_layout(n, spec.rotor_k, dtype=dtype), num_classes, device, spec)
     cap_couplings(m)  # a deep machine's uniform init is above its per-coupling cap; start convex
+    refuse_caps_without_clip(m)
     return m
 
 
@@ -243,6 +258,19 @@ def cap_couplings(m: Machine) -> None:
         c.cap_exact(cap)
 
 
+def refuse_caps_without_clip(m: Machine) -> None:
+    """Under spectral_cap_mode clip each coupling between state layers is handed `clip`: one whose cap_power takes
+    none (written to the protocol before it) is refused by name here, not with a TypeError in the first update."""
+    if m.spec.spectral_cap_mode != "clip":
+        return
+    for c, kind in zip(m.energy.between_states, m.energy.kinds()[1:]):
+        if not takes_keyword(c.cap_power, "clip"):
+            raise ConfigError(
+                f"coupling {kind}'s cap_power takes no `clip`, which spectral_cap_mode clip hands it: add "
+                "`clip: bool = False` (trainer2.Coupling.cap_power), or use spectral_cap_mode scale"
+            )
+
+
 def project_constraints(m: Machine, power_vecs: list[Tensor]) -> None:
     """After every update: clamp the readout (clamp_readout), then cap each coupling's operator norm (cap_spectral)."""
     clamp_readout(m)
@@ -266,5 +294,6 @@ def cap_spectral(m: Machine, power_vecs: list[Tensor]) -> None:
     coupling's power_size), all on the device with no host sync.
     """
     cap = coupling_cap(m.spec)
+    clip = {"clip": True} if m.spec.spectral_cap_mode == "clip" else {}  # handed only where asked for (the protocol)
     for c, u in zip(m.energy.between_states, power_vecs):  # no vectors, no caps (the feed-forward baseline's choice)
-        c.cap_power(cap, u)
+        c.cap_power(cap, u, **clip)

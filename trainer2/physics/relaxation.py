@@ -7,7 +7,6 @@ preallocated workspaces for one batch size, so its windows allocate nothing.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from trainer2.components import resolve
+from trainer2.components import resolve, takes_keyword
 from trainer2.physics.adjoint import AdjointWorkspace, adjoint_steps, set_masks
 from trainer2.physics.costs import CostFrame
 from trainer2.physics.dynamics import (
@@ -381,8 +380,7 @@ def refuse_pieces_without_at(machine: Machine, nudge: NudgeScheme) -> None:
     if not nudge.on_free_piece:
         return  # each phase on its own piece: ep_grads is called with three arguments
     for c, kind in zip(machine.energy.couplings[1:], machine.energy.kinds()[1:]):
-        params = inspect.signature(c.ep_grads).parameters
-        if c.down_reads_below and "at" not in params and all(p.kind != p.VAR_KEYWORD for p in params.values()):
+        if c.down_reads_below and not takes_keyword(c.ep_grads, "at"):
             why = "recurrent backprop (rule: rbp)" if nudge.kind == "adjoint" else "maxpool_argmax: free"
             raise ConfigError(
                 f"coupling {kind} is piecewise (down_reads_below) and its ep_grads takes no `at`, the lower layer "

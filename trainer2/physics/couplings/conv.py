@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer2.physics.couplings.coupling import Sides
+from trainer2.physics.couplings.coupling import Sides, bring_under_cap
 
 SPEC_KEYS = {"channels", "kernel", "pool", "pooling"}
 POOLINGS = ("avg", "max")
@@ -267,15 +267,16 @@ class Conv:
         """L below as (R, power_size) from (R, C_in H W): A = avgpool o conv_K, or conv_K under max pooling."""
         return self.convolve(below, None).flatten(1)
 
-    def power_step(self, u: Tensor) -> Tensor:
-        """One normalised step u <- L L^T u / |L L^T u| (in place); returns sigma = |L v| for v = L^T u / |L^T u|.
-        |P(L x) - P(L y)| <= |L (x - y)| for both poolings, so capping L caps the pull's Lipschitz constant."""
+    def power_step(self, u: Tensor) -> tuple[Tensor, Tensor]:
+        """One normalised step u <- L L^T u / |L L^T u| (in place); returns (sigma, v): v = L^T u / |L^T u| and
+        sigma = |L v| = u^T L v for the new u. |P(L x) - P(L y)| <= |L (x - y)| for both poolings, so capping L caps
+        the pull's Lipschitz constant."""
         v = self.transpose(u.view(1, -1)).reshape(-1)
         v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
         u.copy_(self.linear(v.view(1, -1)).flatten())
         sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)
         u.div_(sigma)
-        return sigma
+        return sigma, v
 
     def cap_exact(self, cap: float) -> None:
         """Power iteration to convergence from a fixed random vector (at build, once; a conv's matrix is too big to
@@ -283,16 +284,17 @@ class Conv:
         gen = torch.Generator().manual_seed(0)
         u = torch.randn(self.power_size, generator=gen, dtype=self.weight.dtype).to(self.weight.device)
         for _ in range(EXACT_ITERS):
-            sigma = self.power_step(u)
+            sigma, _ = self.power_step(u)
         norm = float(sigma)
         if norm > cap:
             self.weight.mul_(cap / norm)
 
-    def cap_power(self, cap: Tensor | float, u: Tensor) -> None:
+    def cap_power(self, cap: Tensor | float, u: Tensor, clip: bool = False) -> None:
         steady = self.with_kernel()  # both steps see the same K: derive K' once
         for _ in range(2):
-            sigma = steady.power_step(u)
-        self.weight.mul_(torch.div(cap, sigma).clamp_(max=1.0))
+            sigma, v = steady.power_step(u)
+        top = steady.correlation(u.view(1, -1), v.view(1, -1)) if clip else None  # d(u^T L v)/dK = d sigma / dK
+        bring_under_cap(self.weight, sigma, cap, top)
 
 
 def workspace_bytes(below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 Sides = tuple[Tensor, Tensor]  # (below, above): a coupling's two layers in one nudged phase
+CLIP_SLACK = 1.02  # spectral_cap_mode clip: how far over its cap a coupling's norm may stay before it is rescaled
 
 
 class Coupling(Protocol):
@@ -109,6 +110,22 @@ class Coupling(Protocol):
     def cap_exact(self, cap: float) -> None:
         """Scale the coupling so its operator norm is at most `cap` (exact; at build, once)."""
 
-    def cap_power(self, cap: Tensor | float, u: Tensor) -> None:
-        """Scale the coupling so its operator norm, estimated by two power-iteration steps from u, is at most cap;
-        u is updated in place. On the device, no host sync."""
+    def cap_power(self, cap: Tensor | float, u: Tensor, clip: bool = False) -> None:
+        """Bring the coupling's operator norm, estimated by two power-iteration steps from u, to at most cap: scaled
+        (`bring_under_cap`), or with clip the excess taken off its top singular direction (handed only under
+        spectral_cap_mode clip, so a coupling written without `clip` still caps by scaling). u is updated in place.
+        On the device, no host sync."""
+
+
+def bring_under_cap(weight: Tensor, sigma: Tensor, cap: Tensor | float, top: Tensor | None = None) -> None:
+    """Bring a coupling whose linear part has operator norm sigma (0-dim, estimated) under `cap`, in place, no host
+    sync. top None: scale the weight by cap / sigma. top = d sigma / d weight (the top singular pair's correlation):
+    the first-order projection, which takes the excess off that one direction and leaves the others as they are;
+    only a norm over CLIP_SLACK x cap is first scaled back to it (an update much larger than the weight)."""
+    if top is None:
+        weight.mul_(torch.div(cap, sigma).clamp_(max=1.0))
+        return
+    over = torch.div(cap * CLIP_SLACK, sigma).clamp_(max=1.0)
+    weight.mul_(over)  # sigma is 1-homogeneous in the weight, so top is the same after scaling
+    excess = torch.mul(sigma, over).sub_(cap).clamp_(min=0.0)
+    weight.sub_(top.mul_(excess / top.square().sum().clamp_(min=torch.finfo(top.dtype).tiny)))

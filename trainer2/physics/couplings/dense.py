@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from trainer2.physics.couplings.coupling import Sides
+from trainer2.physics.couplings.coupling import Sides, bring_under_cap
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class Dense:
         if norm > cap:
             self.weight.mul_(cap / norm)
 
-    def cap_power(self, cap: Tensor | float, u: Tensor) -> None:
+    def cap_power(self, cap: Tensor | float, u: Tensor, clip: bool = False) -> None:
         w = self.weight
         for _ in range(2):  # each product normalised, so a coupling of any scale keeps u a unit vector
             v = torch.mv(w.T, u)
@@ -142,4 +142,4 @@ class Dense:
             torch.mv(w, v, out=u)
             sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)  # |W v| = u'^T W v for u' = W v / |W v|
             u.div_(sigma)
-        w.mul_(torch.div(cap, sigma).clamp_(max=1.0))
+        bring_under_cap(w, sigma, cap, torch.outer(u, v) if clip else None)  # u^T W v = sigma: u v^T = d sigma / dW
