@@ -36,7 +36,7 @@ def dense_with(singular: list[float]) -> tuple[Dense, torch.Tensor, torch.Tensor
     ("top", "after"),
     [
         (0.81, [0.8, 0.5, 0.3, 0.1]),  # within the slack: only the top singular value moves
-        (1.0, [0.8, *(s * 0.8 * CLIP_SLACK for s in (0.5, 0.3, 0.1))]),  # beyond it: scaled to 1.02 x cap, then clipped
+        (1.0, [s * 0.8 * CLIP_SLACK for s in (0.8, 0.5, 0.3, 0.1)]),  # beyond it: clipped, then all x 1.02 cap / 1.0
     ],
 )
 def test_dense_clip_takes_the_excess_off_the_top_singular_value(top, after):

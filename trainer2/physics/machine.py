@@ -65,8 +65,8 @@ class MachineConfig(Section):
         description="How an update that lifts a coupling's norm over its cap is undone: 'scale' multiplies the "
         "coupling by cap / norm (every direction shrinks, also the channels or units the gradient no longer reaches, "
         "which decay toward zero over a run); 'clip' takes the excess off the top singular direction only (the "
-        "first-order projection onto the cap), rescaling only where the norm stays over 1.02 x the cap "
-        "(docs/images.md#the-spectral-cap-clipped-not-scaled).",
+        "first-order projection onto the cap), and scales the coupling as well only where an update lifted its norm "
+        "over 1.02 x the cap, by 1.02 x cap / norm (docs/images.md#the-spectral-cap-clipped-not-scaled).",
     )
     memory_capacity: int = Field(
         0, ge=0, le=2**31, description="Slots of the memory bank of recent equilibria; 0 = off."

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 Sides = tuple[Tensor, Tensor]  # (below, above): a coupling's two layers in one nudged phase
-CLIP_SLACK = 1.02  # spectral_cap_mode clip: how far over its cap a coupling's norm may stay before it is rescaled
+CLIP_SLACK = 1.02  # spectral_cap_mode clip: an update that lifts a norm over this x cap scales the coupling too
 
 
 class Coupling(Protocol):
@@ -120,12 +120,12 @@ class Coupling(Protocol):
 def bring_under_cap(weight: Tensor, sigma: Tensor, cap: Tensor | float, top: Tensor | None = None) -> None:
     """Bring a coupling whose linear part has operator norm sigma (0-dim, estimated) under `cap`, in place, no host
     sync. top None: scale the weight by cap / sigma. top = d sigma / d weight (the top singular pair's correlation):
-    the first-order projection, which takes the excess off that one direction and leaves the others as they are;
-    only a norm over CLIP_SLACK x cap is first scaled back to it (an update much larger than the weight)."""
+    take the excess off that direction (the first-order projection, the smallest step that lowers sigma to cap) and
+    leave the others; only where the update lifted sigma over CLIP_SLACK x cap is the whole weight then scaled by
+    CLIP_SLACK x cap / sigma as well, which keeps every other direction under CLIP_SLACK x cap too."""
     if top is None:
         weight.mul_(torch.div(cap, sigma).clamp_(max=1.0))
         return
-    over = torch.div(cap * CLIP_SLACK, sigma).clamp_(max=1.0)
-    weight.mul_(over)  # sigma is 1-homogeneous in the weight, so top is the same after scaling
-    excess = torch.mul(sigma, over).sub_(cap).clamp_(min=0.0)
+    excess = torch.sub(sigma, cap).clamp_(min=0.0)
     weight.sub_(top.mul_(excess / top.square().sum().clamp_(min=torch.finfo(top.dtype).tiny)))
+    weight.mul_(torch.div(cap * CLIP_SLACK, sigma).clamp_(max=1.0))
