@@ -268,9 +268,8 @@ class Conv:
         return self.convolve(below, None).flatten(1)
 
     def power_step(self, u: Tensor) -> tuple[Tensor, Tensor]:
-        """One normalised step u <- L L^T u / |L L^T u| (in place); returns (sigma, v): v = L^T u / |L^T u| and
-        sigma = |L v| = u^T L v for the new u. |P(L x) - P(L y)| <= |L (x - y)| for both poolings, so capping L caps
-        the pull's Lipschitz constant."""
+        """u <- L L^T u / |L L^T u| in place; returns (sigma, v), v = L^T u / |L^T u|, sigma = |L v| = u^T L v. Both
+        poolings are 1-Lipschitz, so capping L caps the pull's Lipschitz constant."""
         v = self.transpose(u.view(1, -1)).reshape(-1)
         v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
         u.copy_(self.linear(v.view(1, -1)).flatten())
@@ -293,8 +292,7 @@ class Conv:
         steady = self.with_kernel()  # both steps see the same K: derive K' once
         for _ in range(2):
             sigma, v = steady.power_step(u)
-        top = steady.correlation(u.view(1, -1), v.view(1, -1)) if clip else None  # d(u^T L v)/dK = d sigma / dK
-        bring_under_cap(self.weight, sigma, cap, top)
+        bring_under_cap(self.weight, sigma, cap, steady.correlation(u.view(1, -1), v.view(1, -1)) if clip else None)
 
 
 def workspace_bytes(below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:
