@@ -145,7 +145,11 @@ def relax_energy(
     for _ in range(steps):
         for group in groups(len(s), order):
             s = [t if t.requires_grad else t.requires_grad_(True) for t in s]
-            force = [-g for g in torch.autograd.grad(energy(s, x, e).sum(), s, create_graph=True)]
+            # only the moving layers' forces: the others' would be computed and dropped (half of them under even/odd)
+            pulled = torch.autograd.grad(energy(s, x, e).sum(), [s[i] for i in group], create_graph=True)
+            force = [torch.zeros_like(t) for t in s]
+            for i, g in zip(group, pulled):
+                force[i] = -g
             s, p = partial_step(s, p, force, dt, gamma, mass, group)
     return s
 
