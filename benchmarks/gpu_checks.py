@@ -21,9 +21,9 @@ it in a second call with --parts):
               torch): beside dev8's and dev4096's triton+graph rows, what the readout kernel saves
               (AUTO_TAKES_TRITON_READOUT);
   frame       dev batch 8 and 4096, triton+graph with the readout's frame and fold in one launch as well
-              (--readout_backend triton): beside dev8's and dev4096's rows, what the frame kernel saves
-              (AUTO_TAKES_TRITON_FRAME; until it is on, only these rows run it), and its graph = eager case
-              (`dense, frame kernel`);
+              (--readout_backend triton), and its graph = eager case (`dense, frame kernel`); since 64c1620's rows
+              (AUTO_TAKES_TRITON_FRAME on) dev8's and dev4096's triton+graph rows take it too, so these repeat them
+              with the kernels asked for by name;
   conv, dev64, production, deep   more bench rows: the conv preset at batch 128 (eager, graph, compile+graph), dev
               batch 64 (as dev8), production and deep (eager, graph, triton+graph).
 

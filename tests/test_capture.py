@@ -17,8 +17,9 @@ from trainer2.learning.gradients import GradientSource, ep_gradients
 from trainer2.learning.step import BatchStep, build_step
 from trainer2.physics.machine import move_machine
 from trainer2.physics.memory import MemoryBank
-from trainer2.running.step_runner import StaticBatch, StepRunner, step_tensors
+from trainer2.running.step_runner import KERNEL_FIELDS, StaticBatch, StepRunner, kernels_for_mode, step_tensors
 from trainer2.running.trainer import Trainer
+from trainer2.section import ConfigError
 
 CUDA = torch.cuda.is_available()
 
@@ -276,6 +277,47 @@ def test_trainer_runs_the_step_through_the_runner(small_text, tmp_path):
     assert graphed.runner.steps == 3
 
 
+def test_compile_with_graphs_on_cuda_takes_torch_for_auto_and_refuses_triton():
+    """Every Triton kernel inside a compiled step made its capture fail on an H200 (64c1620): under --use_torch_compile
+    with --use_cudagraphs on CUDA, auto takes torch's window, update and readout, triton is refused by name, and
+    nothing else changes; without both flags, or off CUDA, the config is as given."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    graphs = {"use_cudagraphs": True, "static_shapes": True, "capture_batch_size": 5}
+    both = tiny_config(use_torch_compile=True, **graphs)
+    assert [getattr(both, k) for k in KERNEL_FIELDS] == ["auto"] * 3
+    fixed, note = kernels_for_mode(both, cuda)
+    assert [getattr(fixed, k) for k in KERNEL_FIELDS] == ["torch"] * 3
+    assert note is not None and all(k in note for k in KERNEL_FIELDS)
+    assert fixed.model_copy(update=dict.fromkeys(KERNEL_FIELDS, "auto")) == both
+    one = both.model_copy(update={"readout_backend": "torch"})
+    fixed, note = kernels_for_mode(one, cuda)
+    assert fixed.readout_backend == "torch" and fixed.window_backend == "torch" and "readout" not in note
+    alone = (tiny_config(**graphs), cuda), (tiny_config(use_torch_compile=True), cuda), (both, cpu)
+    for cfg, device in alone:
+        assert kernels_for_mode(cfg, device) == (cfg, None)
+    for name in KERNEL_FIELDS:
+        with pytest.raises(ConfigError, match=f"^{name}: triton cannot run inside --use_torch_compile"):
+            kernels_for_mode(both.model_copy(update={name: "triton"}), cuda)
+
+
+def test_the_trainer_builds_its_step_from_the_backends_its_mode_can_run(small_text, monkeypatch):
+    """The Trainer builds the step from kernels_for_mode's config, keeps the user's config (checkpoints and resumes
+    carry `auto`) and logs the note after the run's header."""
+    import trainer2.running.trainer as trainer_module
+
+    def torch_window(cfg, device):
+        return cfg.model_copy(update={"window_backend": "torch"}), "note: the window takes torch"
+
+    monkeypatch.setattr(trainer_module, "kernels_for_mode", torch_window)
+    logs: list[str] = []
+    cfg = tiny_config(data=str(small_text), dtype="float32", batch_size=8, max_windows=1, free_steps=3, device="cpu")
+    t = Trainer(cfg, log=logs.append)
+    assert t.cfg.window_backend == "auto" and t.relaxation.backend.reason == "--window_backend torch"
+    t.train()
+    header = next(i for i, line in enumerate(logs) if "window backend: torch" in line)
+    assert logs[header + 1] == "note: the window takes torch"
+
+
 def test_bench_times_every_mode_in_one_run(small_text):
     from trainer2.running.bench import run as bench
 
@@ -376,12 +418,13 @@ def test_failed_capture_says_so_once_and_runs_eagerly():
 
 @needs_cuda
 def test_compiled_step_captured_as_a_graph_equals_eager_on_cuda():
-    """In float64, for the reason the inductor test gives; the torch window and update, pinned (auto may take the
-    Triton kernels on a GPU). Inductor's CUDA kernels are Triton kernels, which this process (TRITON_INTERPRET=1,
-    tests/conftest.py) would interpret on host copies: so the test runs itself again in a child with it off."""
+    """In float64, for the reason the inductor test gives; torch's window, update and readout, as a run under compile
+    and graphs takes them (kernels_for_mode: a Triton kernel inside the compiled step fails capture). Inductor's CUDA
+    kernels are Triton kernels, which this process (TRITON_INTERPRET=1, tests/conftest.py) would interpret on host
+    copies: so the test runs itself again in a child with it off."""
     if rerun_without_the_interpreter("test_compiled_step_captured_as_a_graph_equals_eager_on_cuda"):
         return
-    pinned = {"window_backend": "torch", "update_backend": "torch"}
+    pinned = {"window_backend": "torch", "update_backend": "torch", "readout_backend": "torch"}
     eager, both = fresh_step("cuda", dtype="float64", **pinned), fresh_step("cuda", dtype="float64", **pinned)
     data = [(x.cuda(), y.cuda()) for x, y in batches(eager.relax.cfg, 6)]
     logs: list[str] = []

@@ -95,9 +95,10 @@ def test_candidates_of_another_size_are_refused_by_name_not_read_past():
     assert kernel.launches == 0
 
 
-def test_the_frame_kernel_runs_where_triton_is_asked_for_and_auto_waits_for_a_gpu(monkeypatch):
-    """Beside the readout kernel: taken when --readout_backend triton asks for the kernels, not when auto chose them
-    (until AUTO_TAKES_TRITON_FRAME), never beside the torch readout, and not for a rotor past one program."""
+def test_the_frame_kernel_runs_beside_the_readout_kernel_and_auto_takes_it_where_the_switch_is_on(monkeypatch):
+    """Beside the readout kernel: taken when --readout_backend triton asks for the kernels, and when auto chose them
+    while AUTO_TAKES_TRITON_FRAME is on (since a GPU ran it compiled); never beside the torch readout, and not for a
+    rotor past one program."""
     from trainer2.physics.kernels import backend
 
     cfg = tiny_config(coord_dim_n=4, rotor_k=5)
@@ -109,8 +110,8 @@ def test_the_frame_kernel_runs_where_triton_is_asked_for_and_auto_waits_for_a_gp
         kernel = backend.frame_kernel(readout, requested, layout, 7, 1.0, cfg.eps, blocks, m.readout.protos)
         return isinstance(kernel, frame_kernel.FrameKernel)
 
-    assert made(tri, "triton") and not made(tri, "auto") and not made(torch_, "torch") and not made(torch_, "auto")
-    monkeypatch.setattr(backend, "AUTO_TAKES_TRITON_FRAME", True)
-    assert made(tri, "auto")
+    assert made(tri, "triton") and made(tri, "auto") and not made(torch_, "torch") and not made(torch_, "auto")
+    monkeypatch.setattr(backend, "AUTO_TAKES_TRITON_FRAME", False)
+    assert made(tri, "triton") and not made(tri, "auto")
     monkeypatch.setattr(frame_kernel, "MAX_BYTES", 16 * 16 * 8 - 1)
     assert not made(tri, "triton")  # 5 planes and 4 coordinates, each padded to 16, in float64: one byte past

@@ -324,8 +324,9 @@ def test_bench_times_the_triton_window_as_a_mode(small_text, monkeypatch):
 
 
 def test_bench_modes_take_the_readout_by_name_on_the_cpu_and_leave_it_to_auto_on_a_gpu():
-    """On a GPU a triton mode's readout is `auto` (the frame kernel waits for AUTO_TAKES_TRITON_FRAME); the torch modes
-    keep it in torch; a readout the config names is kept (gpu_checks' readout and frame rows)."""
+    """On a GPU a triton mode's readout is `auto` (the loss kernel, and the frame kernel while AUTO_TAKES_TRITON_FRAME
+    is on); the torch modes keep it in torch; a readout the config names is kept (gpu_checks' readout and frame
+    rows)."""
     from trainer2.running.bench import mode_readout
 
     assert mode_readout("auto", "triton", True) == "auto" and mode_readout("auto", "triton", False) == "triton"

@@ -181,8 +181,8 @@ def make_step(cfg: TrainConfig, data: Dataset, batch: int, device: torch.device)
 def mode_readout(requested: str, backend: str, cuda: bool) -> str:
     """The readout backend of a mode whose window and update run on `backend`: the config's torch or triton as given
     (gpu_checks' rows with and without the readout's kernels), else the mode's. A triton mode on a GPU leaves it to
-    `auto` (the loss kernel; the frame kernel once AUTO_TAKES_TRITON_FRAME is on, so a kernel not yet compiled on a GPU
-    runs only in the rows that name it); on the CPU, where `auto` takes no kernel, it asks for both by name."""
+    `auto` (the loss kernel, and the frame kernel while AUTO_TAKES_TRITON_FRAME is on), as a run does; on the CPU,
+    where `auto` takes no kernel, it asks for both by name."""
     keep = requested != "auto" or (backend == "triton" and cuda)
     return requested if keep else backend
 

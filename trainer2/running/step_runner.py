@@ -17,9 +17,35 @@ import torch
 from torch import Tensor
 
 from trainer2.learning.step import BatchStep
+from trainer2.section import ConfigError
 from trainer2.train_config import TrainConfig
 
 Log = Callable[[str], None]
+KERNEL_FIELDS = ("window_backend", "update_backend", "readout_backend")
+
+
+def kernels_for_mode(cfg: TrainConfig, device: torch.device) -> tuple[TrainConfig, str | None]:
+    """The config a run builds its batch step from, and a line saying what changed (None: cfg as given). Under
+    --use_torch_compile with --use_cudagraphs on a CUDA device, `auto` takes torch's window, update and readout, and
+    asking for triton is refused: on an H200 (64c1620) every Triton kernel inside the compiled step made its capture
+    fail (a host tensor copied while capturing), so the run went on compiled without graphs."""
+    if not (cfg.use_torch_compile and cfg.use_cudagraphs and device.type == "cuda"):
+        return cfg, None
+    for name in KERNEL_FIELDS:
+        if getattr(cfg, name) == "triton":
+            raise ConfigError(
+                f"{name}: triton cannot run inside --use_torch_compile with --use_cudagraphs (capturing the compiled "
+                f"step around a Triton kernel fails); drop --use_torch_compile (--{name} triton with "
+                f"--use_cudagraphs is the faster mode) or use --{name} auto or torch"
+            )
+    auto = [name for name in KERNEL_FIELDS if getattr(cfg, name) == "auto"]
+    if not auto:
+        return cfg, None
+    note = (
+        f"torch.compile with CUDA graphs: {', '.join(auto)} auto take torch (a compiled step with a Triton kernel in "
+        "it cannot be captured; without --use_torch_compile auto takes the kernels, the faster mode)"
+    )
+    return cfg.model_copy(update=dict.fromkeys(auto, "torch")), note
 
 
 def reason(e: BaseException) -> str:

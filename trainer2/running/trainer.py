@@ -55,7 +55,7 @@ from trainer2.running.parts import all_cpu_threads, build_parts, resolve_device,
 from trainer2.running.resume import resume_command
 from trainer2.running.rundir import claim, write_error
 from trainer2.running.signals import SignalStop, StopSignals
-from trainer2.running.step_runner import StepRunner
+from trainer2.running.step_runner import StepRunner, kernels_for_mode
 from trainer2.running.summary import last_evaluation, run_header, summary, write_summary
 from trainer2.running.threads import thread_tuners
 from trainer2.train_config import TrainConfig, to_yaml
@@ -102,8 +102,9 @@ class Trainer:
         self.device = self.dist.place(resolve_device(cfg), cfg.device)
         torch.manual_seed(cfg.seed)  # the global RNGs too, so anything drawing from them repeats (and is checkpointed)
         set_library_switches(cfg)
+        kernels, self.kernel_note = kernels_for_mode(cfg, self.device)  # the backends compile + graphs can capture
         built = build_parts(cfg, self.device, data, world=self.dist.world_size)  # sizes checked before anything large
-        dynamics, self.update_cfg = cfg.section(DynamicsConfig), cfg.section(UpdateConfig)
+        dynamics, self.update_cfg = kernels.section(DynamicsConfig), kernels.section(UpdateConfig)
         params = ParamTable.build(built.machine, self.update_cfg.eta_scales, self.update_cfg.weight_decay)
         machine, memory, dist = built.machine, built.memory, self.dist
         step = build_step(machine, dynamics, self.update_cfg, cfg.batch_size, memory, gradients, params, dist, cfg.rule)
@@ -167,6 +168,8 @@ class Trainer:
         self.log("config:\n" + to_yaml(self.cfg).rstrip())
         backends = {"window": self.relaxation.backend, "readout": self.relaxation.readout_backend}
         self.log(run_header(self.data, self.device, self.average, **backends, update=self.updater.backend))
+        if self.kernel_note is not None:
+            self.log(self.kernel_note)
         if self.dist.is_main:
             claim(self.run_dir, self.run_id)
         state = LoopState(self.progress.window, total, eager=self.monitor.eager)

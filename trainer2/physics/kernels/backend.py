@@ -36,9 +36,11 @@ AUTO_TAKES_TRITON_UPDATE = True
 # triton+graph window with it ran 1.17x (batch 8), 1.07x (128) and 1.06x (4096) the windows/s with the readout in
 # torch (docs/triton.md).
 AUTO_TAKES_TRITON_READOUT = True
-# The readout's frame and fold in one launch (kernels/readout_frame.py) equal the torch functions in the interpreter,
-# but have not yet run compiled on a GPU: --readout_backend triton runs them beside the readout kernel, auto not yet.
-AUTO_TAKES_TRITON_FRAME = False
+# The readout's frame and fold in one launch (kernels/readout_frame.py) passed benchmarks/triton_window_check.py
+# compiled on an H200 (64c1620: the CUDA tests), its graph replay equals eager bitwise, and the dev preset's
+# triton+graph batch step with it ran 1.13x (batch 8) and 1.08x (4096) the windows/s without it, in 64 kernels
+# against 97 (docs/performance.md): auto takes it beside the readout kernel.
+AUTO_TAKES_TRITON_FRAME = True
 # Triton stages each tl.dot's operands through shared memory, and the kernels' dots take whole layers: the largest
 # pair (BLOCK_ROWS rows of state and a coupling tile, padded) has to fit the GPU's shared memory per block. The slack
 # covers the kernel's other buffers: on an H200 the deep preset's 1024 x 32 float32 pair (192 KiB) asked for 234 KiB,
