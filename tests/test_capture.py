@@ -278,9 +278,9 @@ def test_trainer_runs_the_step_through_the_runner(small_text, tmp_path):
 
 
 def test_compile_with_graphs_on_cuda_takes_torch_for_auto_and_refuses_triton():
-    """Every Triton kernel inside a compiled step made its capture fail on an H200 (64c1620): under --use_torch_compile
-    with --use_cudagraphs on CUDA, auto takes torch's window, update and readout, triton is refused by name, and
-    nothing else changes; without both flags, or off CUDA, the config is as given."""
+    """Each set of Triton kernels tried inside a compiled step made its capture fail on an H200 (64c1620): under
+    --use_torch_compile with --use_cudagraphs on CUDA, auto takes torch's window, update and readout, triton is
+    refused by name, and nothing else changes; without both flags, or off CUDA, the config is as given."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     graphs = {"use_cudagraphs": True, "static_shapes": True, "capture_batch_size": 5}
     both = tiny_config(use_torch_compile=True, **graphs)

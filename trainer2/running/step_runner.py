@@ -27,8 +27,8 @@ KERNEL_FIELDS = ("window_backend", "update_backend", "readout_backend")
 def kernels_for_mode(cfg: TrainConfig, device: torch.device) -> tuple[TrainConfig, str | None]:
     """The config a run builds its batch step from, and a line saying what changed (None: cfg as given). Under
     --use_torch_compile with --use_cudagraphs on a CUDA device, `auto` takes torch's window, update and readout, and
-    asking for triton is refused: on an H200 (64c1620) every Triton kernel inside the compiled step made its capture
-    fail (a host tensor copied while capturing), so the run went on compiled without graphs."""
+    asking for triton is refused: on an H200 (64c1620) the compiled step's capture failed with the readout kernel in
+    it, with the window and fused update, and with all three (a host tensor copied while capturing)."""
     if not (cfg.use_torch_compile and cfg.use_cudagraphs and device.type == "cuda"):
         return cfg, None
     for name in KERNEL_FIELDS:
