@@ -17,7 +17,14 @@ from trainer2.learning.gradients import GradientSource, ep_gradients
 from trainer2.learning.step import BatchStep, build_step
 from trainer2.physics.machine import move_machine
 from trainer2.physics.memory import MemoryBank
-from trainer2.running.step_runner import KERNEL_FIELDS, StaticBatch, StepRunner, kernels_for_mode, step_tensors
+from trainer2.running.step_runner import (
+    KERNEL_FIELDS,
+    StaticBatch,
+    StepKernels,
+    StepRunner,
+    kernels_for_mode,
+    step_tensors,
+)
 from trainer2.running.trainer import Trainer
 from trainer2.section import ConfigError
 
@@ -278,9 +285,8 @@ def test_trainer_runs_the_step_through_the_runner(small_text, tmp_path):
 
 
 def test_compile_with_graphs_on_cuda_takes_torch_for_auto_and_refuses_triton():
-    """Each set of Triton kernels tried inside a compiled step made its capture fail on an H200 (64c1620): under
-    --use_torch_compile with --use_cudagraphs on CUDA, auto takes torch's window, update and readout, triton is
-    refused by name, and nothing else changes; without both flags, or off CUDA, the config is as given."""
+    """Compile + graphs (own or reduce-overhead's) on CUDA: auto takes torch, triton is refused by name, nothing else
+    changes; without compile, without graphs, or off CUDA, the config is as given (64c1620's capture failures)."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     graphs = {"use_cudagraphs": True, "static_shapes": True, "capture_batch_size": 5}
     both = tiny_config(use_torch_compile=True, **graphs)
@@ -292,30 +298,35 @@ def test_compile_with_graphs_on_cuda_takes_torch_for_auto_and_refuses_triton():
     one = both.model_copy(update={"readout_backend": "torch"})
     fixed, note = kernels_for_mode(one, cuda)
     assert fixed.readout_backend == "torch" and fixed.window_backend == "torch" and "readout" not in note
-    alone = (tiny_config(**graphs), cuda), (tiny_config(use_torch_compile=True), cuda), (both, cpu)
+    trees = tiny_config(use_torch_compile=True, compile_mode="reduce-overhead")  # torch.compile records the graphs
+    assert kernels_for_mode(trees, cuda).cfg.window_backend == "torch"
+    alone = (tiny_config(**graphs), cuda), (tiny_config(use_torch_compile=True), cuda), (both, cpu), (trees, cpu)
     for cfg, device in alone:
         assert kernels_for_mode(cfg, device) == (cfg, None)
     for name in KERNEL_FIELDS:
-        with pytest.raises(ConfigError, match=f"^{name}: triton cannot run inside --use_torch_compile"):
+        with pytest.raises(ConfigError, match=f"^{name}: triton cannot run inside a torch.compile'd step"):
             kernels_for_mode(both.model_copy(update={name: "triton"}), cuda)
 
 
 def test_the_trainer_builds_its_step_from_the_backends_its_mode_can_run(small_text, monkeypatch):
-    """The Trainer builds the step from kernels_for_mode's config, keeps the user's config (checkpoints and resumes
-    carry `auto`) and logs the note after the run's header."""
+    """The Trainer builds its step (window, readout, update) from kernels_for_mode's config, keeps the user's config
+    (checkpoints carry `auto`), scores with the user's backends, and logs the note after the run's header."""
     import trainer2.running.trainer as trainer_module
 
-    def torch_window(cfg, device):
-        return cfg.model_copy(update={"window_backend": "torch"}), "note: the window takes torch"
+    def all_torch(cfg, device):
+        return StepKernels(cfg.model_copy(update=dict.fromkeys(KERNEL_FIELDS, "torch")), "note: torch")
 
-    monkeypatch.setattr(trainer_module, "kernels_for_mode", torch_window)
+    monkeypatch.setattr(trainer_module, "kernels_for_mode", all_torch)
     logs: list[str] = []
     cfg = tiny_config(data=str(small_text), dtype="float32", batch_size=8, max_windows=1, free_steps=3, device="cpu")
     t = Trainer(cfg, log=logs.append)
-    assert t.cfg.window_backend == "auto" and t.relaxation.backend.reason == "--window_backend torch"
+    assert [getattr(t.cfg, k) for k in KERNEL_FIELDS] == ["auto"] * 3
+    reasons = t.relaxation.backend.reason, t.relaxation.readout_backend.reason, t.updater.backend.reason
+    assert reasons == ("--window_backend torch", "--readout_backend torch", "--update_backend torch")
+    assert t.scoring(8).backend.reason.startswith("auto")
     t.train()
-    header = next(i for i, line in enumerate(logs) if "window backend: torch" in line)
-    assert logs[header + 1] == "note: the window takes torch"
+    header = next(i for i, line in enumerate(logs) if "update backend: torch" in line)
+    assert logs[header + 1] == "note: torch"
 
 
 def test_bench_times_every_mode_in_one_run(small_text):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,28 +25,34 @@ Log = Callable[[str], None]
 KERNEL_FIELDS = ("window_backend", "update_backend", "readout_backend")
 
 
-def kernels_for_mode(cfg: TrainConfig, device: torch.device) -> tuple[TrainConfig, str | None]:
-    """The config a run builds its batch step from, and a line saying what changed (None: cfg as given). Under
-    --use_torch_compile with --use_cudagraphs on a CUDA device, `auto` takes torch's window, update and readout, and
-    asking for triton is refused: on an H200 (64c1620) the compiled step's capture failed with the readout kernel in
-    it, with the window and fused update, and with all three (a host tensor copied while capturing)."""
-    if not (cfg.use_torch_compile and cfg.use_cudagraphs and device.type == "cuda"):
-        return cfg, None
+class StepKernels(NamedTuple):
+    """The config a run builds its batch step from, and the line that says what changed (None: the run's config)."""
+
+    cfg: TrainConfig
+    note: str | None
+
+
+def kernels_for_mode(cfg: TrainConfig, device: torch.device) -> StepKernels:
+    """Under torch.compile with CUDA graphs (own or reduce-overhead's) on CUDA, `auto` backends take torch and triton is
+    refused: on an H200 (64c1620) each set of Triton kernels tried made the compiled step's capture fail."""
+    graphs = cfg.use_cudagraphs or cfg.compile_mode == "reduce-overhead"
+    if not (cfg.use_torch_compile and graphs and device.type == "cuda"):
+        return StepKernels(cfg, None)
     for name in KERNEL_FIELDS:
         if getattr(cfg, name) == "triton":
             raise ConfigError(
-                f"{name}: triton cannot run inside --use_torch_compile with --use_cudagraphs (capturing the compiled "
-                f"step around a Triton kernel fails); drop --use_torch_compile (--{name} triton with "
-                f"--use_cudagraphs is the faster mode) or use --{name} auto or torch"
+                f"{name}: triton cannot run inside a torch.compile'd step captured as a CUDA graph "
+                "(--use_torch_compile with --use_cudagraphs or --compile_mode reduce-overhead: its capture fails); "
+                f"drop --use_torch_compile or use --{name} auto or torch"
             )
     auto = [name for name in KERNEL_FIELDS if getattr(cfg, name) == "auto"]
     if not auto:
-        return cfg, None
+        return StepKernels(cfg, None)
     note = (
-        f"torch.compile with CUDA graphs: {', '.join(auto)} auto take torch (a compiled step with a Triton kernel in "
-        "it cannot be captured; without --use_torch_compile auto takes the kernels, the faster mode)"
+        f"torch.compile with CUDA graphs: {', '.join(auto)} set from auto to torch (a compiled step with a Triton "
+        "kernel in it failed capture; CUDA graphs without --use_torch_compile leave auto its kernels)"
     )
-    return cfg.model_copy(update=dict.fromkeys(auto, "torch")), note
+    return StepKernels(cfg.model_copy(update=dict.fromkeys(auto, "torch")), note)
 
 
 def reason(e: BaseException) -> str:

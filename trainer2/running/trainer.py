@@ -102,9 +102,10 @@ class Trainer:
         self.device = self.dist.place(resolve_device(cfg), cfg.device)
         torch.manual_seed(cfg.seed)  # the global RNGs too, so anything drawing from them repeats (and is checkpointed)
         set_library_switches(cfg)
-        kernels, self.kernel_note = kernels_for_mode(cfg, self.device)  # the backends compile + graphs can capture
+        step_kernels = kernels_for_mode(cfg, self.device)  # the backends a compiled, captured step can run
+        self.kernel_note = step_kernels.note
         built = build_parts(cfg, self.device, data, world=self.dist.world_size)  # sizes checked before anything large
-        dynamics, self.update_cfg = kernels.section(DynamicsConfig), kernels.section(UpdateConfig)
+        dynamics, self.update_cfg = step_kernels.cfg.section(DynamicsConfig), step_kernels.cfg.section(UpdateConfig)
         params = ParamTable.build(built.machine, self.update_cfg.eta_scales, self.update_cfg.weight_decay)
         machine, memory, dist = built.machine, built.memory, self.dist
         step = build_step(machine, dynamics, self.update_cfg, cfg.batch_size, memory, gradients, params, dist, cfg.rule)
@@ -115,7 +116,8 @@ class Trainer:
         )
         self.progress = Progress()
         self.history: list[dict[str, Any]] = []
-        self.scoring = relaxation_cache(self.scored_machine, dynamics, built.memory)  # the average's, when kept
+        # The average's, when kept; evaluation runs eagerly, so with the config's own backends (not kernels_for_mode's)
+        self.scoring = relaxation_cache(self.scored_machine, cfg.section(DynamicsConfig), built.memory)
         self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
         self.run_id = uuid.uuid4().hex  # stamps this run's checkpoints: pruning removes only those (a resume keeps it)
         self.saved_at = -1  # window of the last checkpoint this trainer saved or loaded
