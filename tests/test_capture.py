@@ -308,7 +308,7 @@ def test_compile_with_graphs_on_cuda_takes_torch_for_auto_and_refuses_triton():
             kernels_for_mode(both.model_copy(update={name: "triton"}), cuda)
 
 
-def test_the_trainer_builds_its_step_from_the_backends_its_mode_can_run(small_text, monkeypatch):
+def test_the_trainer_builds_its_step_from_the_backends_its_mode_can_run(small_text, tmp_path, monkeypatch):
     """The Trainer builds its step (window, readout, update) from kernels_for_mode's config, keeps the user's config
     (checkpoints carry `auto`), scores with the user's backends, and logs the note after the run's header."""
     import trainer2.running.trainer as trainer_module
@@ -318,7 +318,9 @@ def test_the_trainer_builds_its_step_from_the_backends_its_mode_can_run(small_te
 
     monkeypatch.setattr(trainer_module, "kernels_for_mode", all_torch)
     logs: list[str] = []
-    cfg = tiny_config(data=str(small_text), dtype="float32", batch_size=8, max_windows=1, free_steps=3, device="cpu")
+    cfg = tiny_config(
+        data=str(small_text), dtype="float32", batch_size=8, max_windows=1, checkpoint_dir=str(tmp_path), device="cpu"
+    )
     t = Trainer(cfg, log=logs.append)
     assert [getattr(t.cfg, k) for k in KERNEL_FIELDS] == ["auto"] * 3
     reasons = t.relaxation.backend.reason, t.relaxation.readout_backend.reason, t.updater.backend.reason
@@ -425,6 +427,25 @@ def test_failed_capture_says_so_once_and_runs_eagerly():
     assert len(logs) == 1 and "CUDA graph capture of the batch step failed" in logs[0]
     assert runner.mode == "eager" and runner.graph is None
     assert_same_state(eager, graphed, rtol=1e-5, atol=1e-6)
+
+
+@needs_cuda
+def test_a_run_with_compile_and_graphs_on_cuda_captures_its_step(small_text, tmp_path):
+    """A user's run with both flags and the backends left to auto: its compiled step is captured (no fallback warning)
+    and the note says which backends were set to torch. In a child without the interpreter, as above."""
+    if rerun_without_the_interpreter("test_a_run_with_compile_and_graphs_on_cuda_captures_its_step"):
+        return
+    logs: list[str] = []
+    graphs = {"use_torch_compile": True, "use_cudagraphs": True, "static_shapes": True, "capture_batch_size": 8}
+    cfg = tiny_config(
+        data=str(small_text), dtype="float32", batch_size=8, max_windows=6, free_steps=3, nudge_steps=2,
+        checkpoint_dir=str(tmp_path), device="cuda", **graphs,
+    )  # fmt: skip
+    t = Trainer(cfg, log=logs.append)
+    t.train()
+    assert t.runner.mode == "compile+graph" and t.runner.graph is not None
+    assert [line for line in logs if "warning" in line] == []
+    assert any(line.startswith("torch.compile with CUDA graphs: window_backend") for line in logs)
 
 
 @needs_cuda
