@@ -110,8 +110,8 @@ class Plan:
         )
 
 
-# Estimated seconds of each part on an H100 (compiling dominates), for the budget; the parts run in this order, the goal
-# rows' parts first. The "(N s in)" lines of a run give the real figures.
+# Estimated seconds of each part on an H200 (the CUDA tests and compiling dominate), for the budget; the parts run in
+# this order, the goal rows' parts first. The "(N s in)" lines of a run give the real figures.
 ESTIMATE_S = {  # 64c1620 on an H200 took 59, 4, 5, 34, 258, 1, 1, 66 (alone), 31, 2 and 3 s
     "dev8": 75,
     "graph": 15,
