@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trainer2.physics.couplings import Conv, Coupling, Dense
 from trainer2.physics.energy import Energy, energy
 from trainer2.physics.machine import Machine
 from trainer2.physics.readout import rotor_layers, rotor_matrix
@@ -112,12 +113,13 @@ def exact_grads(
     eps: float,
     order: str = "jacobi",
     cost: str = "retrieval",
+    forces: str = "energy",
 ) -> tuple[dict[str, Tensor], Tensor]:
     """Autograd gradient of the batch-mean loss (of `cost`, `cost_loss`) at the free equilibrium for every named
     parameter, and the loss; the free window unrolled in the trainer's order. A machine with couplings other than
-    dense (a conv machine on images) goes through `exact_grads_energy`."""
+    dense (a conv machine on images) goes through `exact_grads_energy`, with `forces` as relax_energy's."""
     if any(c.kind != "dense" for c in machine.energy.couplings):
-        return exact_grads_energy(machine, inputs, targets, steps, dt, gamma, mass, beta_r, eps, order, cost)
+        return exact_grads_energy(machine, inputs, targets, steps, dt, gamma, mass, beta_r, eps, order, cost, forces)
     names = list(machine.named_params())
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
     with torch.enable_grad():
@@ -136,14 +138,25 @@ def cosine(a: Tensor, b: Tensor) -> float:
 
 
 def relax_energy(
-    x: Tensor, e: Energy, steps: int, dt: float, gamma: float, mass: float, order: str = "jacobi"
+    x: Tensor,
+    e: Energy,
+    steps: int,
+    dt: float,
+    gamma: float,
+    mass: float,
+    order: str = "jacobi",
+    forces: str = "energy",
 ) -> list[Tensor]:
-    """As `relax` for a chain of any couplings: the forces are autograd's -dE/ds of the energy as the couplings write
-    it (`energy`), so the pulls the trainer uses are not involved."""
+    """As `relax` for a chain of any couplings. forces "energy": autograd's -dE/ds of the energy as the couplings
+    write it (`energy`), so the pulls the trainer uses are not involved; "pulls": the built-in couplings' own pulls
+    (`pull_forces`), the same forces without a double backward (tests check the two against each other)."""
     s = [torch.zeros(x.shape[0], h, dtype=x.dtype) for h in e.state_sizes()]
     p = [torch.zeros_like(t) for t in s]
     for _ in range(steps):
         for group in groups(len(s), order):
+            if forces == "pulls":
+                s, p = partial_step(s, p, pull_forces(s, x, e, group), dt, gamma, mass, group)
+                continue
             s = [t if t.requires_grad else t.requires_grad_(True) for t in s]
             # only the moving layers' forces: the others' would be computed and dropped (half of them under even/odd)
             pulled = torch.autograd.grad(energy(s, x, e).sum(), [s[i] for i in group], create_graph=True)
@@ -152,6 +165,36 @@ def relax_energy(
                 force[i] = -g
             s, p = partial_step(s, p, force, dt, gamma, mass, group)
     return s
+
+
+def pull_forces(s: list[Tensor], x: Tensor, e: Energy, group: list[int]) -> list[Tensor]:
+    """-dE/ds_i = -s_i + (pull from below) + (pull from above) for the layers in `group` (zeros elsewhere), from the
+    dense and conv couplings' pulls written with autograd (a conv's pooled kernel at stride p, as the trainer's)."""
+    below = [x, *s[:-1]]
+    force = [torch.zeros_like(t) for t in s]
+    for i in group:
+        force[i] = up(e.couplings[i], below[i]) - s[i]
+        if i + 1 < len(s):
+            force[i] = force[i] + down(e.couplings[i + 1], s[i + 1], s[i])
+    return force
+
+
+def up(c: Coupling, below: Tensor) -> Tensor:
+    """The pull of `below` (R, size) on the layer above, W below + b (a conv: pooled convolution), as (R, size)."""
+    if isinstance(c, Conv):
+        return c.apply(below, c.bias_).reshape(below.shape[0], -1)
+    if isinstance(c, Dense):
+        return below @ c.weight.T + c.bias_
+    raise TypeError(f"pull forces know the dense and conv couplings, not {type(c).__qualname__}")
+
+
+def down(c: Coupling, above: Tensor, below: Tensor) -> Tensor:
+    """The pull of `above` on the layer below, W^T above (a conv: unpooled at below's argmax, then L^T), (R, size)."""
+    if isinstance(c, Conv):
+        return c.adjoint(above, below).reshape(above.shape[0], -1)
+    if isinstance(c, Dense):
+        return above @ c.weight
+    raise TypeError(f"pull forces know the dense and conv couplings, not {type(c).__qualname__}")
 
 
 def exact_grads_energy(
@@ -166,14 +209,15 @@ def exact_grads_energy(
     eps: float,
     order: str = "jacobi",
     cost: str = "retrieval",
+    forces: str = "energy",
 ) -> tuple[dict[str, Tensor], Tensor]:
     """As `exact_grads` for a feature or image machine (x (B, D) clamped) whose couplings may be of any kind: the
-    gradients and the batch-mean loss."""
+    gradients and the batch-mean loss; `forces` as relax_energy's."""
     names = list(machine.named_params())
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
     with torch.enable_grad():
         x = machine.input_vectors(x)  # in the machine's dtype (feature and image rows load as float32)
-        s = relax_energy(x, machine.energy.rebind(leaves), steps, dt, gamma, mass, order)
+        s = relax_energy(x, machine.energy.rebind(leaves), steps, dt, gamma, mass, order, forces)
         loss = cost_loss(s[-1], targets, leaves, machine, beta_r, eps, cost).mean()
         grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
     return {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}, loss.detach()

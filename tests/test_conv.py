@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from tiny import tiny_config
 
-from benchmarks.autograd_reference import cosine, exact_grads_energy
+from benchmarks.autograd_reference import cosine, exact_grads_energy, pull_forces
 from trainer2.learning.gradients import ep_gradients
 from trainer2.learning.step import build_step
 from trainer2.physics.couplings import Conv
 from trainer2.physics.couplings import conv as conv_module
-from trainer2.physics.energy import Energy
+from trainer2.physics.energy import Energy, energy
 from trainer2.physics.machine import build_machine
 from trainer2.physics.relaxation import Relaxation
 from trainer2.running.step_runner import StepRunner
@@ -221,6 +221,43 @@ def test_symmetric_ep_matches_autograd_for_a_conv_machine(layers):
     for name, g in est.items():
         assert ref[name].norm() > 0, name
         assert cosine(g, ref[name]) > 0.999, (name, cosine(g, ref[name]))
+
+
+@pytest.mark.parametrize("order", ["jacobi", "even_odd"])
+@pytest.mark.parametrize(
+    "layers,image",
+    [
+        ([{"conv": {"channels": 3, "kernel": 3, "pool": 2}}, {"conv": {"channels": 2, "kernel": 3}}], (2, 6, 6)),
+        ([{"conv": {"channels": 3, "kernel": 3, "pool": 2}}, {"dense": 6}], (2, 7, 7)),  # a row and column dropped
+        (
+            [
+                {"conv": {"channels": 3, "kernel": 3}},
+                {"conv": {"channels": 2, "kernel": 3, "pool": 2, "pooling": "max"}},
+            ],
+            (2, 6, 6),
+        ),
+    ],
+    ids=["avg_conv", "avg_odd_dense", "conv_max"],
+)
+def test_the_exact_reference_through_the_pulls_is_the_one_through_the_energy(layers, image, order):
+    """The quality benchmark's exact gradient takes the couplings' pulls (one backward) for speed: its forces and
+    its gradients are autograd's through the energy (a double backward), at every layer."""
+    cfg, m, x, y = conv_machine(layers, image)
+    s = [torch.rand(x.shape[0], n, dtype=F64, requires_grad=True) for n in m.energy.state_sizes()]
+    every = list(range(len(s)))
+    by_energy = torch.autograd.grad(energy(s, x, m.energy).sum(), s)
+    for i, f in enumerate(pull_forces(s, x, m.energy, every)):
+        torch.testing.assert_close(f, -by_energy[i], rtol=1e-12, atol=1e-12)
+    odd_only = pull_forces(s, x, m.energy, [0])  # a group's layers move; the rest get no force
+    assert all(not f.any() for f in odd_only[1:]) and torch.equal(odd_only[0], pull_forces(s, x, m.energy, every)[0])
+    args = (m, x, y, 12, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps, order)
+    ref, ref_loss = exact_grads_energy(*args, forces="energy")
+    got, loss = exact_grads_energy(*args, forces="pulls")
+    assert got.keys() == ref.keys() == set(m.named_params())
+    for name in ref:
+        assert ref[name].norm() > 0, name
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("below,spec", CASES, ids=IDS)

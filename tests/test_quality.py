@@ -12,8 +12,8 @@ import torch
 from test_conv import conv_machine
 from tiny import tiny_batch, tiny_config, tiny_machine
 
+from benchmarks import autograd_reference, quality
 from benchmarks import exact_gradient_reference as ref_module
-from benchmarks import quality
 from benchmarks.autograd_reference import cosine, exact_grads, exact_grads_energy
 from benchmarks.exact_gradient_reference import benchmark_config, exact_gradients, exact_trainer, train_feedforward
 from trainer2.learning.gradients import ep_gradients
@@ -130,13 +130,19 @@ def test_wired_parts_cannot_be_replaced(tmp_path, small_text):
 
 
 @pytest.mark.parametrize("pooling", ["avg", "max"])
-def test_exact_gradient_source_of_a_conv_machine_is_autograd_through_its_energy(pooling):
-    """quality.py's reference on a conv machine: autograd through the energy's own forces (exact_grads_energy)."""
+def test_exact_gradient_source_of_a_conv_machine_is_autograd_through_its_energy(pooling, monkeypatch):
+    """quality.py's reference on a conv machine: autograd through the unrolled window, whose forces it takes from
+    the couplings' pulls (faster), equal to autograd through the energy's own forces (exact_grads_energy)."""
     layers = [{"conv": {"channels": 3, "kernel": 3, "pool": 2, "pooling": pooling}}, {"dense": 6}]
     cfg, m, x, y = conv_machine(layers, beta_nudge=1e-2, free_steps=60, nudge_steps=60)
+    calls = []
+    pulls = autograd_reference.pull_forces
+    monkeypatch.setattr(autograd_reference, "pull_forces", lambda *a: calls.append(1) or pulls(*a))
     with torch.no_grad():
         ep = ep_gradients(Relaxation(m, cfg, cfg.batch_size), x, y)
         ex = exact_gradients(Relaxation(m, cfg, cfg.batch_size), x, y)
+    assert len(calls) == cfg.free_steps  # the source ran the pulls (one call a Jacobi step)
+    monkeypatch.undo()
     ref, loss = exact_grads_energy(m, x, y, cfg.free_steps, cfg.dt, cfg.gamma, cfg.mass, cfg.retrieval_beta, cfg.eps)
     assert ex.grads.keys() == set(m.named_params())
     for name, g_ex in ex.grads.items():

@@ -1,0 +1,49 @@
+"""benchmarks.quality_seeds: one quality run per seed, side by side, resumable, and the ratios' mean and error."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+from test_quality import FAST
+
+from benchmarks import quality_seeds
+
+
+def test_seed_lists_and_the_summary():
+    assert quality_seeds.parse_seeds("0-3,7") == [0, 1, 2, 3, 7]
+    st = quality_seeds.summarize([1.0, 1.02, 0.97, 1.05])
+    assert st["mean"] == pytest.approx(1.01)
+    assert st["sd"] == pytest.approx(statistics.stdev([1.0, 1.02, 0.97, 1.05]))
+    assert st["se"] == pytest.approx(st["sd"] / 2)
+    assert quality_seeds.summarize([0.99])["se"] == 0.0
+
+
+def test_two_seeds_side_by_side_then_resumed_without_rerunning(tmp_path, small_text, capsys):
+    flags = ["--preset", "dev", "--examples", "160", "--cosine_batches", "1", "--skip", "ff", "--data", str(small_text)]
+    for k, v in FAST.items():
+        if k != "max_windows":
+            flags += [f"--{k}", *map(str, v)] if isinstance(v, list) else [f"--{k}", str(v)]
+    out = tmp_path / "sweep"
+    assert quality_seeds.main(["--seeds", "0-1", "--jobs", "2", "--out", str(out), "--", *flags]) == 0
+    text = capsys.readouterr().out
+    runs = [json.loads((out / f"quality-s{s}.json").read_text()) for s in (0, 1)]
+    assert [r["config"]["seed"] for r in runs] == [0, 1]
+    assert runs[0]["ratio"] != runs[1]["ratio"]  # two seeds, two trajectories
+    assert f"mean {statistics.mean(r['ratio'] for r in runs):.4f}" in text
+    assert (out / "checkpoints-s0").is_dir() and (out / "checkpoints-s1").is_dir()  # no two runs share a folder
+
+    stamps = [(out / f"quality-s{s}.json").stat().st_mtime_ns for s in (0, 1)]
+    assert quality_seeds.main(["--seeds", "0-1", "--out", str(out), "--", *flags]) == 0
+    assert "started" not in capsys.readouterr().out  # both JSONs there: nothing runs again
+    assert [(out / f"quality-s{s}.json").stat().st_mtime_ns for s in (0, 1)] == stamps
+
+
+def test_a_failed_seed_is_named_and_per_seed_flags_are_refused(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert quality_seeds.main(["--seeds", "3", "--out", str(out), "--", "--preset", "no_such_preset"]) == 1
+    assert "seed 3: failed" in capsys.readouterr().out and "no_such_preset" in (out / "quality-s3.log").read_text()
+    with pytest.raises(SystemExit):
+        quality_seeds.main(["--seeds", "3", "--out", str(out), "--", "--seed", "4"])
+    assert "set per seed" in capsys.readouterr().err
