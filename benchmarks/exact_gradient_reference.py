@@ -25,13 +25,12 @@ import torch
 from torch import Tensor
 
 import trainer2
-from benchmarks.autograd_reference import exact_grads, readout_loss
+from benchmarks.autograd_reference import exact_grads, readout_loss, up
 from trainer2.data.dataset import DataError, heldout_batches
 from trainer2.data.sampler import RandpermSampler as Sampler
 from trainer2.flags import flag_overrides
 from trainer2.learning.gradients import StepResult
 from trainer2.learning.update import lr_at
-from trainer2.physics.couplings import Conv, Coupling
 from trainer2.physics.machine import Machine, project_constraints
 from trainer2.physics.readout import ReadoutScratch, readout_frame, readout_loss_and_grads, target_mask
 from trainer2.physics.relaxation import Relaxation, WindowStats
@@ -89,17 +88,10 @@ def ff_forward(m: Machine, inputs: Tensor, act: str, head: list[Tensor] | None) 
     h = m.input_vectors(inputs)
     *hidden, out = m.energy.couplings
     for c in hidden:
-        z = feed(c, h)
+        z = up(c, h)  # the coupling's pull on the layer above, W h + b (a conv: pooled convolution)
         h = z.clamp(0.0, 1.0) if act == "clamp" else torch.relu(z)
-    q = feed(out, h)
+    q = up(out, h)
     return q @ head[0].T + head[1] if head is not None else q
-
-
-def feed(c: Coupling, h: Tensor) -> Tensor:
-    """The coupling's pull on the layer above, W h + b (a conv: the pooled convolution), as (B, size) with autograd."""
-    if isinstance(c, Conv):
-        return c.apply(h, c.bias_).flatten(1)
-    return h @ c.weight.T + c.bias_
 
 
 def ff_loss(

@@ -80,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     if "--seed" in flags or "--json" in flags or "--checkpoint_dir" in flags:
         p.error("--seed, --json and --checkpoint_dir are set per seed; leave them out of the quality flags")
     args.out.mkdir(parents=True, exist_ok=True)
-    failed = [] if args.report_only else run_seeds(args.seeds, args.jobs, args.out, flags)
+    try:
+        failed = [] if args.report_only else run_seeds(args.seeds, args.jobs, args.out, flags)
+    except KeyboardInterrupt:  # the runs got the same Ctrl-C and stop; each finished seed's JSON stays
+        print(f"stopped; the same command runs the seeds without a JSON under {args.out}", file=sys.stderr)
+        return 130
 
     rows = []
     for s in args.seeds:
