@@ -149,12 +149,16 @@ def relax_energy(
 ) -> list[Tensor]:
     """As `relax` for a chain of any couplings. forces "energy": autograd's -dE/ds of the energy as the couplings
     write it (`energy`), so the pulls the trainer uses are not involved; "pulls": the built-in couplings' own pulls
-    (`pull_forces`), the same forces without a double backward (tests check the two against each other)."""
+    (`pull_forces`; other couplings' forces as "energy"), the same forces without a double backward (tests check the
+    two against each other)."""
+    if forces not in ("energy", "pulls"):
+        raise ValueError(f"forces is 'energy' or 'pulls', got {forces!r}")
+    pulls = forces == "pulls" and has_pulls(e)  # a coupling of the user's: its energy's forces
     s = [torch.zeros(x.shape[0], h, dtype=x.dtype) for h in e.state_sizes()]
     p = [torch.zeros_like(t) for t in s]
     for _ in range(steps):
         for group in groups(len(s), order):
-            if forces == "pulls":
+            if pulls:
                 s, p = partial_step(s, p, pull_forces(s, x, e, group), dt, gamma, mass, group)
                 continue
             s = [t if t.requires_grad else t.requires_grad_(True) for t in s]
@@ -169,7 +173,7 @@ def relax_energy(
 
 def pull_forces(s: list[Tensor], x: Tensor, e: Energy, group: list[int]) -> list[Tensor]:
     """-dE/ds_i = -s_i + (pull from below) + (pull from above) for the layers in `group` (zeros elsewhere), from the
-    dense and conv couplings' pulls written with autograd (a conv's pooled kernel at stride p, as the trainer's)."""
+    dense and conv couplings' pulls written with autograd (`up`, `down`: the arithmetic of the trainer's pulls)."""
     below = [x, *s[:-1]]
     force = [torch.zeros_like(t) for t in s]
     for i in group:
@@ -179,22 +183,31 @@ def pull_forces(s: list[Tensor], x: Tensor, e: Energy, group: list[int]) -> list
     return force
 
 
+def has_pulls(e: Energy) -> bool:
+    """Whether every coupling is a built-in dense or conv one (a subclass may change its energy), so `up` and `down`
+    are its pulls."""
+    return all(type(c) in (Dense, Conv) for c in e.couplings)
+
+
 def up(c: Coupling, below: Tensor) -> Tensor:
     """The pull of `below` (R, size) on the layer above, W below + b (a conv: pooled convolution), as (R, size)."""
-    if isinstance(c, Conv):
+    if type(c) is Conv:
         return c.apply(below, c.bias_).reshape(below.shape[0], -1)
-    if isinstance(c, Dense):
+    if type(c) is Dense:
         return below @ c.weight.T + c.bias_
-    raise TypeError(f"pull forces know the dense and conv couplings, not {type(c).__qualname__}")
+    raise TypeError(f"the autograd reference writes the dense and conv pulls, not {type(c).__qualname__}'s")
 
 
 def down(c: Coupling, above: Tensor, below: Tensor) -> Tensor:
-    """The pull of `above` on the layer below, W^T above (a conv: unpooled at below's argmax, then L^T), (R, size)."""
-    if isinstance(c, Conv):
-        return c.adjoint(above, below).reshape(above.shape[0], -1)
-    if isinstance(c, Dense):
+    """The pull of `above` (R, size) on the layer below, W^T above (a conv: L^T above, under max pooling `above` first
+    unpooled at the argmax of conv_K(below)), as (R, size)."""
+    if type(c) is Conv:
+        with torch.no_grad():  # integer positions: no gradient flows through them, so record no graph
+            where = c.argmax(below) if c.maxpool else None
+        return c.transpose(above, where).reshape(above.shape[0], -1)
+    if type(c) is Dense:
         return above @ c.weight
-    raise TypeError(f"pull forces know the dense and conv couplings, not {type(c).__qualname__}")
+    raise TypeError(f"the autograd reference writes the dense and conv pulls, not {type(c).__qualname__}'s")
 
 
 def exact_grads_energy(

@@ -28,7 +28,7 @@ from benchmarks.exact_gradient_reference import benchmark_config, exact_trainer,
 from trainer2.data.dataset import DataError
 from trainer2.running.signals import exit_code
 from trainer2.running.trainer import Trainer
-from trainer2.train_config import ConfigError
+from trainer2.train_config import ConfigError, TrainConfig
 
 TOLERANCE = 0.02  # |EP / exact - 1| the two runs must stay within, either way
 
@@ -64,7 +64,8 @@ def run(trainer: Trainer, metric: str) -> dict[str, float | list]:
     return {**summary, "max_rise": max_rise(trainer.history, metric), "curve": curve}
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfig]:
+    """The benchmark's options and the config both runs train with (ConfigError names a bad flag)."""
     p = argparse.ArgumentParser(
         allow_abbrev=False, description=__doc__.split("\n")[0], epilog="Unknown arguments are TrainConfig flags."
     )
@@ -78,8 +79,12 @@ def main() -> None:
     )
     p.add_argument("--skip", nargs="*", default=[], choices=["exact", "ff"], help="runs to leave out")
     p.add_argument("--json", help="also write the figures to this JSON file")
-    args, flags = p.parse_known_args()
-    cfg = benchmark_config(args.preset, args.examples, flags)
+    args, flags = p.parse_known_args(argv)
+    return args, benchmark_config(args.preset, args.examples, flags)
+
+
+def main() -> None:
+    args, cfg = parse()
     quiet = lambda *_: None  # noqa: E731
     print(
         f"preset {args.preset}: {cfg.max_windows} windows x {cfg.batch_size} = "

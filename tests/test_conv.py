@@ -228,16 +228,25 @@ def test_symmetric_ep_matches_autograd_for_a_conv_machine(layers):
     "layers,image",
     [
         ([{"conv": {"channels": 3, "kernel": 3, "pool": 2}}, {"conv": {"channels": 2, "kernel": 3}}], (2, 6, 6)),
-        ([{"conv": {"channels": 3, "kernel": 3, "pool": 2}}, {"dense": 6}], (2, 7, 7)),  # a row and column dropped
+        # a 7 x 7 plane pooled to 3 x 3 above the first coupling: the adjoint gives the dropped row and column back
+        ([{"conv": {"channels": 3, "kernel": 3}}, {"conv": {"channels": 2, "kernel": 3, "pool": 2}}], (2, 7, 7)),
+        (  # the conv preset's shape of chain: kernel 5, two poolings, a dense layer
+            [
+                {"conv": {"channels": 3, "kernel": 5, "pool": 2}},
+                {"conv": {"channels": 2, "kernel": 3, "pool": 2}},
+                {"dense": 6},
+            ],
+            (1, 8, 8),
+        ),
         (
             [
                 {"conv": {"channels": 3, "kernel": 3}},
                 {"conv": {"channels": 2, "kernel": 3, "pool": 2, "pooling": "max"}},
             ],
-            (2, 6, 6),
+            (2, 7, 7),
         ),
     ],
-    ids=["avg_conv", "avg_odd_dense", "conv_max"],
+    ids=["avg_conv", "avg_odd", "k5_avg_avg_dense", "odd_max"],
 )
 def test_the_exact_reference_through_the_pulls_is_the_one_through_the_energy(layers, image, order):
     """The quality benchmark's exact gradient takes the couplings' pulls (one backward) for speed: its forces and

@@ -40,10 +40,47 @@ def test_two_seeds_side_by_side_then_resumed_without_rerunning(tmp_path, small_t
     assert [(out / f"quality-s{s}.json").stat().st_mtime_ns for s in (0, 1)] == stamps
 
 
-def test_a_failed_seed_is_named_and_per_seed_flags_are_refused(tmp_path, capsys):
+def test_a_failed_seed_is_named_with_its_log(tmp_path, capsys):
     out = tmp_path / "sweep"
-    assert quality_seeds.main(["--seeds", "3", "--out", str(out), "--", "--preset", "no_such_preset"]) == 1
-    assert "seed 3: failed" in capsys.readouterr().out and "no_such_preset" in (out / "quality-s3.log").read_text()
+    flags = ["--preset", "dev", "--examples", "16", "--data", str(tmp_path / "missing.txt")]
+    assert quality_seeds.main(["--seeds", "3", "--out", str(out), "--", *flags]) == 1
+    captured = capsys.readouterr()
+    assert f"seed 3: failed (exit 2; {out}/quality-s3.log)" in captured.out
+    assert "missing.txt" in (out / "quality-s3.log").read_text() and "seeds without a ratio" in captured.err
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["--seeds", "5-3"], "low <= high"),
+        (["--seeds", "a-b"], "like 0-15"),
+        (["--seeds", "0-2", "--jobs", "0"], "at least 1"),
+        (["--seeds", "0", "--", "--preset", "dev", "--seed", "4"], "set per seed"),
+        (["--seeds", "0", "--", "--preset", "dev", "--json=x.json"], "set per seed"),
+    ],
+)
+def test_bad_sweep_options_are_refused_by_name(tmp_path, capsys, argv, says):
     with pytest.raises(SystemExit):
-        quality_seeds.main(["--seeds", "3", "--out", str(out), "--", "--seed", "4"])
-    assert "set per seed" in capsys.readouterr().err
+        quality_seeds.main([*argv[:2], "--out", str(tmp_path), *argv[2:]])
+    assert says in capsys.readouterr().err
+
+
+def test_seeds_run_once_each_and_bad_quality_flags_are_refused_before_any_run(tmp_path, capsys):
+    assert quality_seeds.parse_seeds("0-3,2-5") == [0, 1, 2, 3, 4, 5]
+    out = tmp_path / "sweep"
+    for flags, says in [
+        (["--preset", "no_such_preset"], "no_such_preset"),
+        (["--preset", "dev", "--no_such_flag", "1"], "no_such_flag"),
+        (["--preset", "dev", "--skip", "exact"], "--skip exact"),
+    ]:
+        assert quality_seeds.main(["--seeds", "0-1", "--out", str(out), "--", *flags]) == 2
+        captured = capsys.readouterr()
+        assert says in captured.err and "started" not in captured.out
+
+
+def test_a_folder_keeps_its_sweeps_flags(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "sweep.json").write_text('{"flags": ["--preset", "conv"]}')
+    assert quality_seeds.main(["--seeds", "0", "--out", str(out), "--", "--preset", "dev"]) == 2
+    assert "--preset conv" in capsys.readouterr().err  # the folder's flags, named
