@@ -102,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=positive, default=1, help="runs side by side (each takes --cpu_threads threads)")
     p.add_argument("--out", type=Path, required=True, help="folder of each seed's log, JSON and checkpoints")
     p.add_argument("--report_only", action="store_true", help="run nothing; summarize the JSONs there")
-    p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: benchmarks.quality's options and flags")
+    p.add_argument("quality_flags", nargs=argparse.REMAINDER, help="after --: benchmarks.quality's options and flags")
     args = p.parse_args(argv)
-    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    flags = args.quality_flags[1:] if args.quality_flags[:1] == ["--"] else args.quality_flags
     if any(f.split("=")[0] in PER_SEED for f in flags):
         p.error(f"{', '.join(PER_SEED)} are set per seed; leave them out of the quality flags")
     failed: list[int] = []

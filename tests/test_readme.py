@@ -201,6 +201,10 @@ def check(command: Command, monkeypatch: Patch, capsys: Capture) -> str | None:
     parsed = parse_only(module.main, monkeypatch, capsys)
     if isinstance(parsed, str):
         return parsed
+    inner = getattr(parsed.namespace, "quality_flags", None)  # quality_seeds: the quality benchmark's command line
+    if inner is not None:
+        argv = tuple(inner[1:] if inner[:1] == ["--"] else inner)
+        return check(Command(command.where, command.text, "benchmarks.quality", argv, False), monkeypatch, capsys)
     flags = [*parsed.extras, *getattr(parsed.namespace, "extra", [])]  # unknown arguments, or those after --
     preset = getattr(parsed.namespace, "preset", None)
     if not flags:
@@ -242,6 +246,7 @@ def test_unknown_flag_is_caught(tmp_path: Path, monkeypatch: Patch, capsys: Capt
         "or `trainer2 --preset dev --max_w 3`, or\n\n"
         "    python -m benchmarks.quality --skip exact ff --hiden_sizes 512\n"
         "    python -m benchmarks.ep_cosine --preset dev --train_steps 3000\n"
+        "    python -m benchmarks.quality_seeds --seeds 0-3 --out o -- --preset dev --skip ff --hiden 5 --max_w 3\n"
     )
     commands = commands_in(doc)
     assert [c.argv[-2] for c in commands] == [
@@ -251,6 +256,7 @@ def test_unknown_flag_is_caught(tmp_path: Path, monkeypatch: Patch, capsys: Capt
         "--hiden_sizes",
         "--train_steps",
         "--max_w",
+        "--max_w",
     ]
     errors = [check(c, monkeypatch, capsys) for c in commands]
     assert "unrecognized arguments: --no_such_flag 3" in errors[0]
@@ -258,7 +264,8 @@ def test_unknown_flag_is_caught(tmp_path: Path, monkeypatch: Patch, capsys: Capt
     assert "unrecognized arguments: --temprature" in errors[2]
     assert "unrecognized arguments: --hiden_sizes 512" in errors[3]
     assert "unrecognized arguments: --train_steps 3000" in errors[4]
-    assert "unrecognized arguments: --max_w" in errors[5]
+    assert "unrecognized arguments: --hiden 5 --max_w 3" in errors[5]  # quality_seeds: quality's flags checked too
+    assert "unrecognized arguments: --max_w" in errors[6]
 
 
 EXTERNAL_FLAGS = {"--index-url", "--nproc_per_node", "--standalone", "--logdir"}  # pip's, torchrun's, tensorboard's
