@@ -28,14 +28,23 @@ from trainer2.train_config import ConfigError
 PER_SEED = ("--seed", "--json", "--checkpoint_dir")  # quality's flags this sets for each seed
 
 
+MAX_SEEDS = 10_000  # a sweep is tens of runs; far more is a typo, and its list alone could exhaust the memory
+
+
 def parse_seeds(text: str) -> list[int]:
-    """'0-3,7' -> [0, 1, 2, 3, 7]; each seed once, in the order given."""
+    """'0-3,7' -> [0, 1, 2, 3, 7]; each seed once, in the order given; at most MAX_SEEDS of them."""
     seeds: list[int] = []
+    count = 0
     for part in text.split(","):
         lo, dash, hi = part.partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
             raise argparse.ArgumentTypeError(
                 f"seeds are written like 0-15 or 0,3,5-7 (low-high, low <= high), got {text!r}"
+            )
+        count += int(hi or lo) - int(lo) + 1  # counted before the range is made
+        if count > MAX_SEEDS:
+            raise argparse.ArgumentTypeError(
+                f"at most {MAX_SEEDS} seeds per sweep, got {text!r}; give a smaller range such as 0-15"
             )
         seeds.extend(range(int(lo), int(hi or lo) + 1))
     return list(dict.fromkeys(seeds))
@@ -107,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     flags = args.quality_flags[1:] if args.quality_flags[:1] == ["--"] else args.quality_flags
     if any(f.split("=")[0] in PER_SEED for f in flags):
         p.error(f"{', '.join(PER_SEED)} are set per seed; leave them out of the quality flags")
+    if args.out.exists() and not args.out.is_dir():
+        print(
+            f"quality_seeds: error: --out {args.out} is a file; --out must be a folder (a new one, or a sweep's to "
+            "resume)",
+            file=sys.stderr,
+        )
+        return 2
     failed: list[int] = []
     if not args.report_only:
         try:
@@ -117,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             check_flags(args.out, flags)
         except ConfigError as e:
             print(f"quality_seeds: error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:  # --out under a file, or a folder this user may not write
+            print(f"quality_seeds: error: --out {args.out}: cannot make the folder ({e.strerror})", file=sys.stderr)
             return 2
         except SystemExit as e:  # the flags' parser has said which flag, as the trainer's command line does
             return int(e.code or 2)

@@ -5,7 +5,8 @@
 A coupling is one term of the energy with its analytic pulls, EP statistic and spectral cap (trainer2.Coupling lists
 them). Subclassing a built-in one and changing one part is the short way: here the initial weights are drawn from a
 normal distribution instead of a uniform one. The dotted name is written to config.yaml and the checkpoint, so the run
-resumes wherever `custom_coupling` imports.
+resumes wherever `custom_coupling` imports; a file is data, never code, so `trainer2.load(checkpoint, trust_code=True)`
+(or `--trust_code`) says you consent to import the module it names.
 """
 
 import math

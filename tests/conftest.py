@@ -58,3 +58,10 @@ def small_text(tmp_path):
     path = tmp_path / "small.txt"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+@pytest.fixture(autouse=True)
+def user_cache_in_tmp(tmp_path_factory, monkeypatch):
+    """The token cache ($XDG_CACHE_HOME/trainer2/tokens) in a temporary folder, never the real home; children a test
+    starts inherit it through the environment."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))

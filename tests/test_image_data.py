@@ -214,7 +214,7 @@ def test_cli_refuses_a_conv_layer_above_feature_vectors(tmp_path, capsys):
         )
         == 2
     )
-    assert "layer 0 (conv): a conv layer needs an image-shaped layer" in capsys.readouterr().err
+    assert "layers: conv layer 0 needs image data, but the data" in capsys.readouterr().err
 
 
 def test_the_conv_preset_runs_on_mnist_sized_images(tmp_path, capsys):

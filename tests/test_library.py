@@ -199,7 +199,7 @@ def test_a_coupling_of_the_users_own_module_trains_by_its_dotted_name(tmp_path, 
     meta = json.loads((tmp_path / "ck" / "w" / "step_00000003" / "meta.json").read_text())
     assert meta["config"]["layers"] == [{"my_couplings.WideDense": 8}]
     monkeypatch.syspath_prepend(str(tmp_path))  # a script in the user's directory finds the module there
-    model = trainer2.load(tmp_path / "ck" / "w" / "step_00000003")
+    model = trainer2.load(tmp_path / "ck" / "w" / "step_00000003", trust_code=True)  # the checkpoint names its code
     assert type(model.machine.energy.couplings[0]).__name__ == "WideDense"
     assert model.machine.energy.couplings[0].weight.shape[0] == 16  # its spec_size ran: 2 x 8 units
 

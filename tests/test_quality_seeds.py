@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 
@@ -84,3 +85,24 @@ def test_a_folder_keeps_its_sweeps_flags(tmp_path, capsys):
     (out / "sweep.json").write_text('{"flags": ["--preset", "conv"]}')
     assert quality_seeds.main(["--seeds", "0", "--out", str(out), "--", "--preset", "dev"]) == 2
     assert "--preset conv" in capsys.readouterr().err  # the folder's flags, named
+
+
+def test_an_out_that_is_a_file_is_refused_naming_it(tmp_path, capsys):
+    out = tmp_path / "results.txt"
+    out.write_text("kept")
+    for extra in ([], ["--report_only"]):
+        assert quality_seeds.main(["--seeds", "0", "--out", str(out), *extra, "--", "--preset", "dev"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} is a file; --out must be a folder" in err and "Traceback" not in err
+    assert out.read_text() == "kept"
+    assert quality_seeds.main(["--seeds", "0", "--out", str(out / "below"), "--", "--preset", "dev"]) == 2
+    assert "cannot make the folder" in capsys.readouterr().err
+
+
+def test_a_seed_range_beyond_the_cap_is_refused_before_it_is_made(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        quality_seeds.main(["--seeds", "0-100000000", "--out", str(tmp_path)])
+    assert e.value.code == 2 and f"at most {quality_seeds.MAX_SEEDS} seeds" in capsys.readouterr().err
+    with pytest.raises(argparse.ArgumentTypeError, match="at most"):
+        quality_seeds.parse_seeds("0-5000,6000-12000")  # counted over every part
+    assert len(quality_seeds.parse_seeds(f"0-{quality_seeds.MAX_SEEDS - 1}")) == quality_seeds.MAX_SEEDS

@@ -1,5 +1,5 @@
-"""The memory-mapped token cache: made once, mapped later, never trusted when stale, corrupt or foreign; read-only
-data directories; two processes creating it at once."""
+"""The memory-mapped token cache: made once, mapped later, never trusted when stale, corrupt or foreign; kept in the
+user cache directory, never beside the data; two processes creating it at once."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def no_tokenizing(monkeypatch) -> None:
 def test_the_first_load_writes_the_cache_and_later_ones_map_it(corpus, monkeypatch):
     first = load(corpus)
     assert same_as_in_memory(first, corpus) and tc.cache_path(corpus, "auto").is_file()
+    assert tc.cache_path(corpus, "auto").parent == tmp_cache(corpus) / "trainer2" / "tokens"
+    assert sorted(p.name for p in corpus.parent.iterdir()) == ["corpus.txt"]  # nothing beside the data
     no_tokenizing(monkeypatch)
     second = load(corpus)
     assert same_as_in_memory(second, corpus)
@@ -103,26 +105,49 @@ def test_a_corrupt_or_foreign_cache_is_rebuilt_not_trusted(corpus, damage):
     assert tc.read_cache(path, tc.source_fingerprint(corpus)) is not None  # rewritten whole
 
 
-def test_a_read_only_data_directory_uses_the_user_cache(corpus, monkeypatch):
+def tmp_cache(corpus: Path) -> Path:
+    """The test's $XDG_CACHE_HOME (the corpus fixture's)."""
+    return corpus.parent.parent / "usercache"
+
+
+def test_the_cache_is_never_written_beside_the_data(corpus, monkeypatch):
     write = tc.write_cache
 
-    def read_only_beside_data(path, *args):
-        if path.parent == corpus.parent:
-            raise PermissionError(13, "Permission denied", str(path))
+    def never_beside_data(path, *args):
+        assert path.parent != corpus.parent, "wrote the cache into the data folder"
         return write(path, *args)
 
-    monkeypatch.setattr(tc, "write_cache", read_only_beside_data)
+    monkeypatch.setattr(tc, "write_cache", never_beside_data)
     monkeypatch.setattr(tc, "open", lambda p, mode="r": _refuse_writes_beside(corpus, p, mode), raising=False)
     data = load(corpus)
     assert same_as_in_memory(data, corpus)
-    assert not tc.cache_path(corpus, "auto").exists()
     assert list(tc.user_cache_dir().glob("corpus.txt.*" + tc.SUFFIX))
+    assert sorted(p.name for p in corpus.parent.iterdir()) == ["corpus.txt"]
 
 
 def _refuse_writes_beside(corpus: Path, p, mode: str):
     if "r" not in mode and Path(p).parent == corpus.parent:
-        raise PermissionError(13, "Permission denied", str(p))
+        raise AssertionError(f"opened {p} for writing in the data folder")
     return open(p, mode)
+
+
+def test_two_files_of_one_name_have_caches_of_their_own(corpus):
+    other = corpus.parent.parent / "other" / corpus.name
+    other.parent.mkdir()
+    other.write_text("Entirely different words here.\n" * 200, encoding="utf-8")
+    assert same_as_in_memory(load(corpus), corpus)
+    assert same_as_in_memory(load(other), other)
+    assert tc.cache_path(corpus, "auto") != tc.cache_path(other, "auto")
+    assert same_as_in_memory(load(corpus), corpus)  # its cache was not overwritten by the other's
+
+
+def test_an_unusable_user_cache_directory_is_a_clear_error(corpus, monkeypatch):
+    blocker = corpus.parent.parent / "not_a_directory"
+    blocker.write_text("x")  # a file where the cache directory would go: no one can create it, root included
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    with pytest.raises(DataError, match=r"cannot write a token cache .*--token_cache DIR .*--token_cache off"):
+        load(corpus)
+    assert same_as_in_memory(load(corpus, "off"), corpus)
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only directories")
@@ -187,4 +212,5 @@ def test_two_processes_creating_the_cache_at_once_tokenize_once_and_agree(corpus
     assert lines.count("wrote") == 1  # the lock: one tokenizes, the other waits and maps its file
     hashes = {line for line in "".join(outs).splitlines() if line.startswith("tokens")}
     assert len(hashes) == 1
-    assert not [p for p in corpus.parent.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
+    assert not [p for p in tc.user_cache_dir().iterdir() if p.name.endswith(".tmp")]  # no temporary file left
+    assert sorted(p.name for p in corpus.parent.iterdir()) == ["corpus.txt"]

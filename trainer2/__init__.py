@@ -11,7 +11,7 @@ Couplings are components: trainer2.Dense and trainer2.Conv are the built-in ones
 the trainer2.Coupling protocol, most simply a subclass of one of them) is named in `layers` by its dotted path.
 """
 
-from trainer2.components import ComponentError
+from trainer2.components import ComponentError, UntrustedCodeError
 from trainer2.data.arrays import from_arrays
 from trainer2.data.dataset import DataError, Dataset
 from trainer2.physics.couplings import Conv, Coupling, Dense
@@ -20,6 +20,7 @@ from trainer2.running.checkpoint import CheckpointError
 from trainer2.running.health import Diverged
 from trainer2.running.model import Model, load
 from trainer2.running.run import Run, train
+from trainer2.running.rundir import RunDirError
 from trainer2.section import ConfigError
 from trainer2.train_config import TrainConfig
 
@@ -35,7 +36,9 @@ __all__ = [
     "Diverged",
     "Model",
     "Run",
+    "RunDirError",
     "TrainConfig",
+    "UntrustedCodeError",
     "config",
     "from_arrays",
     "load",

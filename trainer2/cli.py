@@ -10,17 +10,21 @@ SIGUSR2 after saving a checkpoint (the last line printed and summary.json's resu
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import warnings
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from trainer2.data.dataset import DataError
-from trainer2.flags import add_config_flags, config_layers, none_or
+from trainer2.flags import (
+    add_config_flags,
+    add_trust_flag,
+    config_layers,
+    none_or,
+    user_modules_from_cwd,
+)
 from trainer2.io import strictjson
 from trainer2.io.console import guarded_streams, say
 from trainer2.monitor.plot import cmd_plot
@@ -29,7 +33,15 @@ from trainer2.running.checkpoint import CheckpointError, read_meta
 from trainer2.running.distributed import DistributedError, init_distributed, rank_label
 from trainer2.running.health import Diverged
 from trainer2.running.model import WEIGHTS, WEIGHTS_HELP
-from trainer2.running.resume import fresh_layers, resume_command, resume_config, resume_layers, resume_target
+from trainer2.running.resume import (
+    add_checkpoint_flags,
+    checkpoint_from,
+    fresh_layers,
+    resume_command,
+    resume_config,
+    resume_layers,
+    resume_target,
+)
 from trainer2.running.rundir import RunDirError
 from trainer2.running.signals import exit_code
 from trainer2.running.summary import done_line
@@ -64,6 +76,7 @@ def train_parser() -> argparse.ArgumentParser:
         help="Print the resolved config as YAML, each non-default "
         "value commented with the layer it came from, and exit without loading data or touching checkpoints.",
     )
+    add_trust_flag(p)
     add_config_flags(p)
     return p
 
@@ -73,11 +86,11 @@ def print_config(args: argparse.Namespace) -> int:
     layers = config_layers(args)
     if args.resume:  # what the resumed run would use: the checkpoint's config is the lowest layer
         run_dir = resume_target(args.resume, layers)
-        cfg, path = resume_config(args.resume, layers, run_dir)
+        cfg, path = resume_config(args.resume, layers, run_dir, args.trust_code)
         layers = resume_layers(path, read_meta(path), layers, run_dir)
     else:
-        layers = fresh_layers(layers, preset_path(args.preset).stem if args.preset else "run")
-        cfg = build_config(layers)
+        layers = fresh_layers(layers, preset_path(args.preset).stem if args.preset else "run", args.trust_code)
+        cfg = build_config(layers, args.trust_code)
     print(annotated_yaml(cfg, config_origins(layers)), end="")
     return 0
 
@@ -88,6 +101,7 @@ def cmd_train(argv: list[str]) -> int:
         raise ConfigError(
             "--resume: empty; expected 'latest' or a step_<N>/ checkpoint directory (drop --resume to start afresh)"
         )
+    user_modules_from_cwd(args)
     if args.print_config:
         return print_config(args)
     from trainer2.running.run import train
@@ -95,9 +109,10 @@ def cmd_train(argv: list[str]) -> int:
     layers = config_layers(args)
     path = None
     if args.resume:
-        cfg, path = resume_config(args.resume, layers, resume_target(args.resume, layers))
+        cfg, path = resume_config(args.resume, layers, resume_target(args.resume, layers), args.trust_code)
     else:
-        cfg = build_config(fresh_layers(layers, preset_path(args.preset).stem if args.preset else "run"))
+        prefix = preset_path(args.preset).stem if args.preset else "run"
+        cfg = build_config(fresh_layers(layers, prefix, args.trust_code), args.trust_code)
     dist = init_distributed(cfg)  # under torchrun: this process's rank and its process group
     try:
         run = train(cfg, resume=path, log=say if dist.is_main else quiet, dist=dist, resume_hint=resume_command(cfg))
@@ -141,7 +156,7 @@ def cmd_evaluate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="trainer2 evaluate", allow_abbrev=False, description="Print the held-out metrics of a checkpoint as JSON."
     )
-    p.add_argument("--checkpoint", required=True, metavar="PATH", help="A step_<N>/ checkpoint directory.")
+    add_checkpoint_flags(p)
     p.add_argument("--device", default=argparse.SUPPRESS, help="Device to evaluate on (default: the checkpoint's).")
     p.add_argument(
         "--eval_batches",
@@ -151,8 +166,11 @@ def cmd_evaluate(argv: list[str]) -> int:
         help="Held-out batches of 512 to score; none = all (default: the checkpoint's).",
     )
     p.add_argument("--weights", choices=WEIGHTS, default="auto", help=WEIGHTS_HELP)
-    args = vars(p.parse_args(argv))
-    path = Path(args.pop("checkpoint"))
+    add_trust_flag(p)
+    parsed = p.parse_args(argv)
+    user_modules_from_cwd(parsed)
+    path = checkpoint_from(parsed)
+    args = {k: v for k, v in vars(parsed).items() if k not in ("checkpoint", "run_name", "checkpoint_dir")}
     from trainer2.running.model import load
 
     model = load(path, **args)
@@ -192,10 +210,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(argv: list[str]) -> int:
     """The command's exit status; a user's mistake is one line on stderr, never a traceback."""
-    # A component named by a dotted path (--layers my_couplings.WideDense:64) comes from the user's own module: look in
-    # the working directory too, as `python -m` would (a script's path starts at the script's own directory).
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
     command = COMMANDS.get(argv[0]) if argv else None
     run = command or cmd_train
     try:

@@ -4,6 +4,10 @@ of data formats.
 A name is a built-in's short name (`dense`, `npz`) or a dotted path `module.Name` to a class in the user's own module
 (torchtune's `_component_` convention), imported when it is first resolved. The name as written is what config.yaml
 and checkpoints record, so a run that names `my_couplings.WideDense` resumes only where that module imports.
+
+A file may have been handed over, and a file is data, never code: a dotted name written inside one (a checkpoint's
+config, a YAML file) is imported only with the user's consent (`untrusted_names`, checked by
+trainer2.train_config.build_config before anything is imported), as Hugging Face's `trust_remote_code` does.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ BUILTIN: dict[str, dict[str, str]] = {
         "npz": "trainer2.data.npz.NpzFile",
         "mnist": "trainer2.data.images.MnistDir",
         "cifar10": "trainer2.data.images.Cifar10Dir",
+        "csv": "trainer2.data.csv_table.CsvFile",
         "text": "trainer2.data.text.TextFile",
     },
 }
@@ -62,8 +67,17 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 }
 
 
+# config field -> the kind of component it names (the `layers` entries' keys name couplings)
+NAMED_FIELDS: dict[str, str] = {"rule": "rule", "cost": "cost", "data_format": "data format"}
+CONSENT = "--trust_code on the command line, trust_code=True in Python"
+
+
 class ComponentError(ConfigError):
     """A component name that names nothing usable: unknown, not importable, or missing what its kind needs."""
+
+
+class UntrustedCodeError(ComponentError):
+    """A file names code outside trainer2 (a dotted component name), and the user has not consented to import it."""
 
 
 def builtin_names(kind: str) -> list[str]:
@@ -98,6 +112,46 @@ def resolve(kind: str, name: str) -> Any:
     if missing:
         raise ComponentError(f"{kind} {name!r} is not a {kind}: it lacks {', '.join(missing)}")
     return found
+
+
+def is_builtin(kind: str, name: str) -> bool:
+    """Whether `name` is one of trainer2's own components of `kind`: a short name or a built-in's dotted path."""
+    return name in BUILTIN[kind] or name in BUILTIN[kind].values()
+
+
+def named_components(values: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, name) of every component a layer of config values names by a dotted path that is not a built-in, in
+    field order; reads raw values (a malformed one is skipped here and refused by validation, which imports nothing
+    before the check)."""
+    found = []
+    for field, kind in NAMED_FIELDS.items():
+        name = values.get(field)
+        if isinstance(name, str) and "." in name and not is_builtin(kind, name):
+            found.append((field, name))
+    layers = values.get("layers")
+    for i, entry in enumerate(layers if isinstance(layers, list) else []):
+        for name in entry if isinstance(entry, dict) else []:
+            if isinstance(name, str) and "." in name and not is_builtin("coupling", name):
+                found.append((f"layers[{i}]", name))
+    return found
+
+
+def check_consent(files: list[tuple[str, dict[str, Any]]], given: set[str], trust_code: bool) -> None:
+    """Refuse, naming each, the dotted component names written in `files` ((source, values) read from files) that the
+    user neither gave in this call (`given`) nor consented to with trust_code; nothing is imported."""
+    if trust_code:
+        return
+    foreign = [(source, field, name) for source, values in files for field, name in named_components(values)]
+    foreign = [(source, field, name) for source, field, name in foreign if name not in given]
+    if foreign:
+        named = "; ".join(
+            f"{field} {name!r} (module {name.rpartition('.')[0]}) in {source}" for source, field, name in foreign[:4]
+        )
+        raise UntrustedCodeError(
+            f"not importing code named in a file: {named}. A file may have been handed over, so a name in it runs no "
+            f"code without your consent: if you trust it, pass {CONSENT}, or name the same component yourself "
+            "(for example --rule / --layers / --cost / --data_format with that name)"
+        )
 
 
 def takes_keyword(fn: Callable[..., Any], name: str) -> bool:

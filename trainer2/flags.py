@@ -4,10 +4,13 @@ and the layering of --preset, --config and flags into a TrainConfig."""
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import types
 import typing
 from typing import Any, Callable, Literal
 
+from trainer2.components import named_components
 from trainer2.presets import yaml_layers
 from trainer2.section import ConfigError
 from trainer2.train_config import TrainConfig, accepted_keys, build_config
@@ -28,6 +31,26 @@ def layer_flag(text: str) -> dict[str, Any]:
     if not sep or not size.strip().lstrip("-").isdigit():
         raise argparse.ArgumentTypeError(f"expected KIND:SIZE such as dense:256, got {text!r}")
     return {kind.strip(): int(size)}
+
+
+def add_trust_flag(parser: argparse.ArgumentParser) -> None:
+    """--trust_code: consent to import the code a checkpoint or YAML file names (its own coupling, rule, cost or data
+    format); without it such a name is refused, since a file may have been handed over."""
+    parser.add_argument(
+        "--trust_code",
+        action="store_true",
+        help="Import the code that a checkpoint or YAML file names by a dotted path (module.Class of someone's own "
+        "coupling, rule, cost or data format); without it such a file is refused, since a file may have been handed "
+        "over. Built-in components and names you give on this command line need no consent.",
+    )
+
+
+def user_modules_from_cwd(args: argparse.Namespace) -> None:
+    """Let the working directory's modules be imported, as `python -m` would, only where the user asked for code of
+    their own: a dotted component name on this command line, or --trust_code. A checkpoint never brings it in."""
+    flags = {k: v for k, v in vars(args).items() if k in accepted_keys()}
+    if (getattr(args, "trust_code", False) or named_components(flags)) and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:

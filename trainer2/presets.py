@@ -14,6 +14,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import yaml
 
 from trainer2.section import ConfigError, short_repr
@@ -162,14 +163,35 @@ def yaml_layers(name: str | Path | Traversable, what: str = "preset") -> Layers:
         if not isinstance(base, str) or not base:
             raise ConfigError(f"{path}: base must name a preset or a YAML file, got {short_repr(base)}")
         # a file name is relative to the file that names it; anything else is a preset's name
-        path = Path(str(path)).parent / base if base.endswith((".yaml", ".yml")) else preset_path(base)
+        if base.endswith((".yaml", ".yml")):
+            path = Path(str(path)).parent / base
+        elif Path(base).suffix or "/" in base or "\\" in base:  # a file, but not YAML: "unknown preset" would mislead
+            raise ConfigError(
+                f"{path}: base {short_repr(base)} is not a YAML file; a base file must be a .yaml or .yml file "
+                f"(its path relative to {Path(str(path)).name}), or a preset name from {preset_names()}"
+            )
+        else:
+            path = preset_path(base)
 
 
-def config(preset: str | Path | None = None, **overrides: Any) -> TrainConfig:
+def config(preset: str | Path | None = None, *, trust_code: bool = False, **overrides: Any) -> TrainConfig:
     """A TrainConfig from a preset name or YAML path (None: the defaults), with the given fields set over it, by the
-    command line's layers and checks: a bad value or combination is a ConfigError naming the field."""
+    command line's layers and checks: a bad value or combination is a ConfigError naming the field. A component of
+    your own named inside the YAML file is imported only with trust_code=True (or named again in `overrides`)."""
     unknown = sorted(set(overrides) - accepted_keys())
     if unknown:
         raise ConfigError(f"unknown config field(s) {unknown}; every keyword must be a TrainConfig field")
     layers = yaml_layers(str(preset)) if preset is not None else []
-    return build_config([*layers, ("arguments", overrides)])
+    return build_config([*layers, ("arguments", {k: plain(v) for k, v in overrides.items()})], trust_code=trust_code)
+
+
+def plain(value: Any) -> Any:
+    """`value` with numpy scalars and arrays made Python numbers and lists (np.int64(7) -> 7, np.bool_ -> bool), inside
+    lists and dicts too: the config's fields are strict, and a number computed with numpy is still the number meant."""
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()  # a scalar's .tolist() is its Python value, as .item() is
+    if isinstance(value, list | tuple):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value

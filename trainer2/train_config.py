@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from trainer2.components import check_consent, named_components
 from trainer2.data.load import DataConfig
 from trainer2.learning.rules import RuleConfig
 from trainer2.learning.update import UpdateConfig
@@ -23,6 +24,9 @@ from trainer2.physics.relaxation import DynamicsConfig
 from trainer2.section import ConfigError, Section, short_repr
 
 MAX_ERRORS = 10  # validation errors listed per message
+# The sources of layers the user wrote in this call (flags, Python arguments); every other layer was read from a file
+# (a preset or --config YAML, a checkpoint), whose dotted component names need consent (trainer2.components).
+USER_SOURCES = ("command line", "arguments")
 S = TypeVar("S", bound=Section)
 
 
@@ -267,8 +271,12 @@ def config_origins(layers: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
     return merge_layers(layers)[1]
 
 
-def build_config(layers: list[tuple[str, dict[str, Any]]]) -> TrainConfig:
-    """Merge (source, values) layers, lowest first, and validate; errors name the field and its source."""
+def build_config(layers: list[tuple[str, dict[str, Any]]], trust_code: bool = False) -> TrainConfig:
+    """Merge (source, values) layers, lowest first, and validate; errors name the field and its source. Code named in
+    a layer read from a file is imported only with trust_code or when a user layer names it too (UntrustedCodeError
+    before anything is imported)."""
+    given = {name for source, values in layers if source in USER_SOURCES for _, name in named_components(values)}
+    check_consent([(s, v) for s, v in layers if s not in USER_SOURCES], given, trust_code)
     merged, origin = merge_layers(layers)
     try:
         return TrainConfig(**merged)

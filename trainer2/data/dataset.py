@@ -257,10 +257,32 @@ def check_arrays(source: str, x: np.ndarray, y: np.ndarray, min_rows: int = 2, r
             f"{source}: labels in y must be class indices 0..K-1 with K <= N = {rows} rows, found label {y.max()}; "
             "remap the labels to 0..K-1"
         )
-    finite = np.isfinite(x.astype(np.float32))  # checked after the float32 cast, since that is what trains
-    if not finite.all():
-        row = int(np.argwhere(~finite)[0, 0])
-        raise DataError(f"{source}: x must be finite, found {x[row][~finite[row]][0]} in row {row}")
+    row = nonfinite_row(x)
+    if row is not None:
+        with np.errstate(over="ignore"):  # a float64 beyond float32's range is what is reported
+            finite = np.isfinite(np.asarray(x[row], dtype=np.float32))
+        raise DataError(
+            f"{source}: x must be finite, found {x[row][~finite].flat[0]} in row {row}; drop or impute such rows"
+        )
+
+
+FINITE_CHUNK = 1 << 20  # values checked at a time: the check's temporaries stay a few MB, whatever the array's size
+
+
+def nonfinite_row(x: np.ndarray) -> int | None:
+    """The first row of x [N, ...] holding a value that is not finite as float32 (what trains), or None; checked a
+    chunk of rows at a time, so no temporary the size of x is made."""
+    if not np.issubdtype(x.dtype, np.floating):
+        return None  # integers are finite, and every int64 is within float32's range
+    step = max(1, FINITE_CHUNK // max(1, int(np.prod(x.shape[1:]))))
+    with np.errstate(over="ignore"):  # the cast of a value beyond float32's range: inf, which is what is found
+        for start in range(0, len(x), step):
+            chunk = x[start : start + step]
+            # float32 and narrower are finite as float32 exactly when finite; wider ones are cast, a chunk at a time
+            finite = np.isfinite(chunk if chunk.dtype.itemsize <= 4 else chunk.astype(np.float32))
+            if not finite.all():
+                return start + int(np.argwhere(~finite)[0, 0])
+    return None
 
 
 def split_rows(n: int, heldout_fraction: float) -> int:

@@ -2,7 +2,7 @@
 
 A data format is a class with `recognises(path) -> bool` and `load(path, cfg: DataConfig) -> Dataset`. With
 `data_format: auto` the first built-in that recognises the path reads it (the built-in corpus, torchvision:NAME:ROOT,
-.npz, an MNIST or a CIFAR-10 directory, else a text file); a name picks one, also a dotted path to your own.
+.npz, an MNIST or a CIFAR-10 directory, .csv, else a text file); a name picks one, also a dotted path to your own.
 """
 
 from __future__ import annotations
@@ -23,15 +23,21 @@ class DataConfig(Section):
     data: str | None = Field(
         None,
         description=(
-            "UTF-8 text file, .npz feature or image set, MNIST IDX / CIFAR-10 batches directory, or "
-            "torchvision:NAME:ROOT; none = built-in pydoc corpus."
+            "UTF-8 text file, .npz feature or image set, .csv table of numbers, MNIST IDX / CIFAR-10 batches "
+            "directory, or torchvision:NAME:ROOT; none = built-in pydoc corpus."
         ),
     )
     data_format: str = Field(
         "auto",
         min_length=1,
         description="How --data is read: 'auto' (recognised by its path), a built-in format (builtin, torchvision, "
-        "npz, mnist, cifar10, text) or a dotted path module.Class to your own reader.",
+        "npz, mnist, cifar10, csv, text) or a dotted path module.Class to your own reader.",
+    )
+    label_column: str | None = Field(
+        None,
+        min_length=1,
+        description="CSV data: the header name of the column of class labels; none = a column named label, y or "
+        "target when there is one, else the last column.",
     )
     context_len: int = Field(8, ge=1, le=2**16, description="Characters of context per example (text data).")
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of the data, by position, held out.")
@@ -53,8 +59,8 @@ class DataConfig(Section):
     token_cache: str = Field(
         "auto",
         min_length=1,
-        description="Where a text file's memory-mapped token cache lives: 'auto' (beside the file, else in "
-        "~/.cache/trainer2/tokens when that directory is read-only), a directory, or 'off' (tokenize into memory at "
+        description="Where a text file's memory-mapped token cache lives: 'auto' ($XDG_CACHE_HOME/trainer2/tokens, "
+        "default ~/.cache/trainer2/tokens; never beside the data), a directory, or 'off' (tokenize into memory at "
         "every start).",
     )
 
@@ -110,7 +116,7 @@ def load_dataset(
     path: str | None, context_len: int = 8, heldout_fraction: float = 0.1, token_cache: str = "off"
 ) -> Dataset:
     """The data set at `path` (None: the built-in corpus), its format recognised from the path; text is tokenized into
-    memory unless token_cache names where to cache it ("auto": beside the file)."""
+    memory unless token_cache names where to cache it ("auto": the user cache directory)."""
     if not 0.0 < heldout_fraction < 1.0:
         raise DataError(f"{path or 'the built-in corpus'}: heldout_fraction must be in (0, 1), got {heldout_fraction}")
     given = {"data": path, "context_len": context_len, "heldout_fraction": heldout_fraction, "token_cache": token_cache}

@@ -2,13 +2,13 @@
 
 A cache file holds a header (source fingerprint: size, mtime, a hash of sampled blocks; vocabulary; token type and
 count; a hash of the tokens) and the tokens, 1 or 2 bytes each (4 above 32,768 symbols), from a page boundary.
-It lives beside the data (`<file>.trainer2-tokens`) or, where that directory is read-only, in the user cache
-directory; `token_cache` may also name a directory, or be "off" (tokenize into memory at every start, as
-before). A cache is never trusted:
-a bad magic or header hash, a wrong length or payload sample, or a source whose size, mtime or sampled hash
-differs gets it rebuilt (or refused where it cannot be rewritten). Creation takes a lock beside the cache, writes
-a temporary file and renames it into place, so concurrent processes (a torchrun job) tokenize once and all map
-the same file.
+It lives in the user cache directory ($XDG_CACHE_HOME/trainer2/tokens, default ~/.cache/trainer2/tokens), never in
+the user's data folder; `token_cache` may also name a directory, or be "off" (tokenize into memory at every start,
+as before). A file's cache is named for its absolute path, so an edited file replaces its cache rather than leaving
+old ones behind; whether it holds this file's tokens is judged by content. A cache is never trusted: a bad magic
+or header hash, a wrong length or payload sample, or a source whose size, mtime or sampled hash differs gets it
+rebuilt (or refused where it cannot be rewritten). Creation takes a lock beside the cache, writes a temporary file
+and renames it into place, so concurrent processes (a torchrun job) tokenize once and all map the same file.
 """
 
 from __future__ import annotations
@@ -267,11 +267,11 @@ def _bar(path: Path, size: int, what: str) -> tqdm:
 
 
 def cache_path(source: Path, where: str) -> Path:
-    """The cache file of `source`: beside it ("auto"), or in directory `where` (named for the source's path)."""
-    if where == "auto":
-        return source.with_name(source.name + SUFFIX)
+    """The cache file of `source` in directory `where` ("auto": the user cache directory), named for the source's
+    absolute path (two files of one name do not share a cache; the header says whether it is of this content)."""
+    folder = user_cache_dir() if where == "auto" else Path(where).expanduser()
     tag = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:16]
-    return Path(where).expanduser() / f"{source.name}.{tag}{SUFFIX}"
+    return folder / f"{source.name}.{tag}{SUFFIX}"
 
 
 def open_cache(source: Path, where: str, context_len: int, heldout_fraction: float) -> CacheFile:
@@ -305,19 +305,14 @@ def cached_text_dataset(path: str, where: str, context_len: int, heldout_fractio
     check_file(path, "a UTF-8 text file or a .npz feature file")
     refuse_binary(path)  # before a pass over it: NUL bytes mean a binary file (its tokens need no memory: mapped)
     source = Path(path)
-    places = [where] if where != "auto" else ["auto", str(user_cache_dir())]
-    errors = []
-    for place in places:
-        try:
-            cache = open_cache(source, place, context_len, heldout_fraction)
-        except OSError as e:  # read-only or full: try the next place
-            errors.append(f"{cache_path(source, place).parent}: {e.strerror or e}")
-            continue
-        vocab = [chr(c) for c in cache.header["vocab"]]
-        data = text_split(map_tokens(cache), vocab, path, context_len, heldout_fraction)
-        data.digest = cache.header["tokens_sha256"]
-        return data
-    raise DataError(
-        f"{path}: cannot write a token cache ({'; '.join(errors)}); pass --token_cache DIR (a writable "
-        "directory) or --token_cache off"
-    )
+    try:
+        cache = open_cache(source, where, context_len, heldout_fraction)
+    except OSError as e:  # read-only or full
+        raise DataError(
+            f"{path}: cannot write a token cache ({cache_path(source, where).parent}: {e.strerror or e}); pass "
+            "--token_cache DIR (a writable directory) or --token_cache off"
+        ) from None
+    vocab = [chr(c) for c in cache.header["vocab"]]
+    data = text_split(map_tokens(cache), vocab, path, context_len, heldout_fraction)
+    data.digest = cache.header["tokens_sha256"]
+    return data

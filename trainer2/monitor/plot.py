@@ -23,7 +23,7 @@ MISSING_MATPLOTLIB = (
 
 
 class PlotError(RuntimeError):
-    """The plot cannot be made (matplotlib missing); the message says what to install."""
+    """The plot cannot be made (matplotlib missing, or --out no directory); the message says what to do."""
 
 
 def figure_class() -> type:
@@ -54,7 +54,14 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         raise TelemetryError(f"{run_dir / TELEMETRY_FILE}: no rows yet; a run writes one per log interval")
     out_dir = out_dir or run_dir / "plots"
     refuse_links(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise PlotError(f"{out_dir}: is a file; --out must be a directory (one that does not exist yet is made)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on its path, or a folder this user may not write
+        raise PlotError(
+            f"{out_dir}: cannot make it ({e.strerror}); --out must be a directory this user may write"
+        ) from None
     timing = tuple(k for k in rows[-1] if k.startswith("time_") and k.endswith("_ms"))
     panels = PANELS + ((("timing.png", "time per window by phase", "ms / window", False, timing),) if timing else ())
     written = []

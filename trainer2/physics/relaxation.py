@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from torch import Tensor
 
 from trainer2.components import resolve, takes_keyword
@@ -46,6 +46,8 @@ from trainer2.physics.nudge import NudgeScheme
 from trainer2.physics.readout import Candidates, ReadoutFrame, ReadoutResult, readout_frame
 from trainer2.section import ConfigError, Section
 
+MAX_BETA = 1.0  # the largest beta_nudge: a nudge as strong as the energy's own unit stiffness
+
 
 class DynamicsConfig(Section):
     """How a batch relaxes: the phases' step counts, the nudge, the integrator and the code that runs the steps."""
@@ -57,8 +59,8 @@ class DynamicsConfig(Section):
     beta_nudge: float = Field(
         0.003,
         gt=0.0,
-        description="Nudging strength beta of the EP rules; coupled learning's eta (it clamps q to q0 +- eta (target - "
-        "q0)); CHL clamps q to the target itself.",
+        description="Nudging strength beta of the EP rules, at most 1; coupled learning's eta (it clamps q to q0 +- "
+        "eta (target - q0)); CHL clamps q to the target itself.",
     )
     dt: float = Field(1.0, gt=0.0, description="Integrator step size.")
     gamma: float = Field(1.0, ge=0.0, description="Damping; 0 = energy-conserving Stormer-Verlet (diagnostics only).")
@@ -93,6 +95,20 @@ class DynamicsConfig(Section):
     @property
     def own_argmax(self) -> bool:
         return self.maxpool_argmax == "own"
+
+    @field_validator("beta_nudge")
+    @classmethod
+    def _nudge(cls, v: float) -> float:
+        # EP's estimate is a finite difference in beta, good while the nudge is a small pull beside the energy's
+        # forces; coupled learning's eta beyond 1 clamps q past the target. Far above 1 the nudged phases overflow,
+        # every update is dropped and the run stops blaming the learning rate.
+        if v > MAX_BETA:
+            raise ValueError(
+                f"beta_nudge {v:g} is above {MAX_BETA:g}: the nudge would outweigh the energy (EP's estimate is no "
+                "longer a gradient; coupled learning would clamp q past the target); give beta_nudge a small value "
+                "such as 0.003 (the default) to 0.1"
+            )
+        return v
 
     @model_validator(mode="after")
     def _stable(self) -> "DynamicsConfig":

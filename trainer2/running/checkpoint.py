@@ -36,6 +36,7 @@ TENSORS_FILE = "tensors.safetensors"
 META_FILE = "meta.json"
 TMP_PREFIX = ".tmp-"
 STEP_RE = re.compile(r"step_(\d{8,})")
+SAVE_FILES = (TENSORS_FILE, META_FILE)  # all a save writes into step_<N>/ (the sidecar last), and all pruning deletes
 
 # Fields that only steer the run; they may change on resume. Every other field defines the model,
 # the data or the learning rule and must match the checkpoint (a new field is fixed until listed here).
@@ -90,6 +91,7 @@ RESUME_FREE_FIELDS = frozenset(
 ADDED_FIELDS: dict[str, Any] = {
     "augment_shift": 0,
     "data_format": "auto",
+    "label_column": None,  # CSV data came later: no earlier run read one
     "relaxation": "jacobi",
     "rule": "ep",
     "cost": "retrieval",
@@ -159,13 +161,29 @@ def find_latest(run_dir: Path) -> Path:
 
 
 def resolve_checkpoint(spec: str, run_dir: Path) -> Path:
-    """'latest' -> the run's newest checkpoint; anything else is a checkpoint directory path."""
+    """'latest' -> the run's newest checkpoint; anything else is a checkpoint directory or a run folder (its newest)."""
     if spec == "latest":
         return find_latest(run_dir)
     path = Path(spec)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path}: no such directory; expected 'latest' or a step_<N>/ directory")
-    return path
+        raise CheckpointError(
+            f"checkpoint {path}: no such directory; expected 'latest', a run folder or a step_<N>/ directory"
+        )
+    return checkpoint_in(path)
+
+
+def checkpoint_in(path: Path) -> Path:
+    """The checkpoint directory `path` names: itself (a step_<N>/ directory, or any directory with a sidecar), or the
+    newest checkpoint of the run folder `path`."""
+    if STEP_RE.fullmatch(path.name) or (path / META_FILE).exists() or not path.is_dir():
+        return path  # a broken one is refused by read_meta, naming what is missing
+    found = list_checkpoints(path)
+    if not found:
+        raise CheckpointError(
+            f"{path}: neither a checkpoint (a step_<N>/ directory with {META_FILE}) nor a run folder holding one; "
+            "pass a run folder whose run has saved, a step_<N>/ directory, or 'latest'"
+        )
+    return found[-1]
 
 
 # --- saving ---
@@ -244,12 +262,30 @@ def recorded_run(path: Path) -> str | None:
 
 def prune(run_dir: Path, keep_last: int, run_id: str) -> list[Path]:
     """Delete all but the newest keep_last of the run's own checkpoints: those whose sidecar records `run_id`. A
-    directory merely named like a checkpoint (another run's, a link) is never removed. Returns what was removed."""
+    directory merely named like a checkpoint (another run's, a link) is never removed, and of one holding anything a
+    save does not write only the save's files go, with a warning naming what stays. Returns the checkpoints removed."""
     own = [p for p in list_checkpoints(run_dir) if not p.is_symlink() and recorded_run(p) == run_id]
     old = own[:-keep_last]
     for path in old:
-        shutil.rmtree(path)
+        kept = foreign_entries(path)
+        if not kept:
+            shutil.rmtree(path)
+            continue
+        for name in SAVE_FILES:  # the sidecar last: until it goes, the directory is still this run's to finish pruning
+            (path / name).unlink(missing_ok=True)
+        shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+        warnings.warn(
+            f"pruning checkpoint {path}: removed the save's own files but kept the directory, which holds what no save "
+            f"writes: {shown}; move or delete them yourself",
+            stacklevel=2,
+        )
     return old
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """Names in checkpoint directory `path` that its save did not write (another run's directory, a user's notes)."""
+    own = {name for name in SAVE_FILES if (path / name).is_file() and not (path / name).is_symlink()}
+    return sorted(p.name for p in path.iterdir() if p.name not in own)
 
 
 # --- reading ---
@@ -348,8 +384,16 @@ def check_generators(loaded: dict[str, Tensor], file: Path) -> None:
                 raise CheckpointError(f"{file}: tensor {key!r} is no valid random-generator state ({e})") from None
 
 
-def load_tensors(path: Path, meta: dict[str, Any]) -> dict[str, Tensor]:
-    """The tensor file, checked against the size and sha256 recorded in the sidecar."""
+def read_verified(path: Path) -> dict[str, Any]:
+    """The sidecar of checkpoint directory `path`, returned only once its tensor file matches the size and sha256 the
+    sidecar records: nothing of a checkpoint (its config least of all) is used before its integrity is checked."""
+    meta = read_meta(path)
+    check_integrity(path, meta)
+    return meta
+
+
+def check_integrity(path: Path, meta: dict[str, Any]) -> Path:
+    """The checkpoint's tensor file, refused unless it is a regular file of the size and sha256 the sidecar records."""
     file, want = path / TENSORS_FILE, meta["tensors"]
     if not file.exists():
         raise CheckpointError(f"checkpoint {path}: missing {TENSORS_FILE}; the checkpoint is partial")
@@ -363,6 +407,12 @@ def load_tensors(path: Path, meta: dict[str, Any]) -> dict[str, Tensor]:
         )
     if _sha256(file) != want["sha256"]:
         raise CheckpointError(f"{file}: sha256 differs from the one in {META_FILE}; the file is corrupt")
+    return file
+
+
+def load_tensors(path: Path, meta: dict[str, Any]) -> dict[str, Tensor]:
+    """The tensor file, checked against the size and sha256 recorded in the sidecar."""
+    file = check_integrity(path, meta)
     try:
         return load_file(str(file))
     except Exception as e:  # the Rust reader's error type differs between safetensors versions
@@ -473,10 +523,10 @@ def load_checked(
     `only` is set), and its counters. The one place a checkpoint is validated; training, evaluation and loading a
     model all go through it."""
     meta = read_meta(path)
+    loaded = load_tensors(path, meta)  # its integrity (size, sha256) first: nothing of a corrupt checkpoint is used
     check_config(meta["config"], cfg, path)
     if fingerprint is not None:
         check_data(meta["data"], fingerprint, path)
-    loaded = load_tensors(path, meta)
     if only is not None:
         loaded = {k: v for k, v in loaded.items() if k.startswith(only)}
     check_tensors(loaded, live, path / TENSORS_FILE, optional=optional)

@@ -24,6 +24,7 @@ DROPPED_STREAK = 50
 # (dev preset, momentum 0.99 at lr 1: 4.3 nats at first, then 5.4-8.4 from window 80 on, against ln(103) = 4.6).
 LOSS_STREAK = 200
 UNIFORM_FACTOR = 1.1
+DROPPED = "every update from window"  # how a run of dropped updates is reported (divergence_message reads it)
 
 
 class Diverged(RuntimeError):
@@ -77,8 +78,7 @@ class Health(Callback):
             )
         if self.dropped_from is not None and w - self.dropped_from + 1 >= DROPPED_STREAK:
             return (
-                f"every update from window {self.dropped_from} to {w} was dropped (non-finite gradients: learning "
-                "has stopped)",
+                f"{DROPPED} {self.dropped_from} to {w} was dropped (non-finite gradients: learning has stopped)",
                 self.dropped_from - 1,
             )
         return None
@@ -110,7 +110,9 @@ def divergence_message(what: str, good_until: int, run_dir: Path) -> str:
     """What happened, the newest checkpoint up to window `good_until`, and what to change."""
     saved = [p for p in ck.list_checkpoints(run_dir) if ck.step_of(p) <= good_until]
     good = f"the last checkpoint before it is {saved[-1]}" if saved else "no checkpoint was saved before it"
+    # non-finite gradients come from the phases (a nudge too strong for the energy) as well as from the parameters
+    nudge = ", or a smaller beta_nudge (the nudged phases' strength)" if what.startswith(DROPPED) else ""
     return (
         f"the run diverged: {what}; {good}. Lower eta_update (or eta_readout_scale, eta_embed_scale, "
-        "weight_decay) or add lr_warmup_windows, and start a new run"
+        f"weight_decay) or add lr_warmup_windows{nudge}, and start a new run"
     )

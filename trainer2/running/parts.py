@@ -71,14 +71,31 @@ def build_parts(
         )
     flush_denormal()  # this thread's CPU arithmetic skips the slow subnormals (trainer2.learning.subnormals)
     data = load_data(cfg.section(DataConfig), data)
-    if cfg.augment_shift and data.input_shape is None:
-        raise ConfigError(
-            f"augment_shift: {cfg.augment_shift} moves images, but the data ({data.source}) is {data.kind}, not "
-            "images; use --augment_shift 0"
-        )
+    check_image_data(cfg, data)
     examples = (data.num_examples("train"), data.num_examples("heldout"))
     machine, memory = build_machine_for(cfg, InputSpec.of(data), device, examples, batch, world)
     return RunParts(data, device, machine, memory)
+
+
+IMAGE_DATA = (
+    "pass --data an MNIST IDX directory, a CIFAR-10 directory, an .npz of images ([N, H, W] or [N, C, H, W]) or "
+    "torchvision:NAME:ROOT"
+)
+
+
+def check_image_data(cfg: TrainConfig, data: Dataset) -> None:
+    """Refuse conv layers or augment_shift on data that is no images, naming image data as the fix (dropping
+    augment_shift alone would only lead to the conv layers' own error)."""
+    convs = [str(i) for i, layer in enumerate(cfg.layers) if "conv" in layer]
+    if data.input_shape is not None or not (convs or cfg.augment_shift):
+        return
+    if convs:
+        layers = f"conv layer {convs[0]} needs" if len(convs) == 1 else f"conv layers {', '.join(convs)} need"
+        also = f" (and so does augment_shift {cfg.augment_shift})" if cfg.augment_shift else ""
+        what, fix = f"layers: {layers} image data{also}", IMAGE_DATA
+    else:
+        what, fix = f"augment_shift: {cfg.augment_shift} moves images", f"{IMAGE_DATA}, or use --augment_shift 0"
+    raise ConfigError(f"{what}, but the data ({data.source}) is {data.kind}, not images; {fix}")
 
 
 def build_machine_for(

@@ -9,6 +9,7 @@ run-steering fields (checkpoint.RESUME_FREE_FIELDS) may differ from it.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -16,12 +17,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer2.components import UntrustedCodeError, named_components
 from trainer2.running.checkpoint import (
     META_FILE,
     CheckpointError,
     check_config,
+    find_latest,
     list_checkpoints,
     read_meta,
+    read_verified,
     resolve_checkpoint,
     saved_config,
     step_of,
@@ -41,11 +45,11 @@ def given(layers: Layers) -> dict[str, Any]:
     return out
 
 
-def fresh_layers(layers: Layers, prefix: str) -> Layers:
+def fresh_layers(layers: Layers, prefix: str, trust_code: bool = False) -> Layers:
     """The layers of a new run: the user's, and, when none sets run_name, a fresh one, `<prefix>-<N>`."""
     if "run_name" in given(layers):
         return layers
-    root = Path(build_config(layers).checkpoint_dir)
+    root = Path(build_config(layers, trust_code).checkpoint_dir)
     return [*layers, ("a fresh run name", {"run_name": fresh_name(root, re.sub(r"[^A-Za-z0-9_.-]", "_", prefix))})]
 
 
@@ -81,18 +85,60 @@ def resume_target(spec: str, layers: Layers) -> Path:
     user = given(layers)
     default_root = TrainConfig.model_fields["checkpoint_dir"].default
     if spec == "latest":
-        root = Path(user.get("checkpoint_dir", default_root))
-        run_dir = root / user["run_name"] if "run_name" in user else newest_run(root)
-        if run_dir is None:
-            raise CheckpointError(
-                f"no run with a checkpoint under {root} to resume: start one without --resume, "
-                "or name the run with --run_name and --checkpoint_dir"
-            )
+        run_dir = latest_run(Path(user.get("checkpoint_dir", default_root)), user.get("run_name"), "to resume")
     else:
-        own = Path(spec) if Path(spec).parent.name else Path(spec).resolve()  # "step_N" inside its run: the full path
+        own = resolve_checkpoint(spec, Path(spec))  # a run folder: its newest checkpoint
+        own = own if own.parent.name else own.resolve()  # "step_N" inside its run: the full path
         run_dir = Path(user.get("checkpoint_dir", own.parent.parent)) / user.get("run_name", own.parent.name)
     read_meta(resolve_checkpoint(spec, run_dir))  # no checkpoint there: refused before anything is created or locked
     return run_dir
+
+
+def latest_run(root: Path, run_name: str | None, purpose: str) -> Path:
+    """The run `latest` means: `run_name` under root, or else the run under root that saved most recently."""
+    run_dir = root / run_name if run_name else newest_run(root)
+    if run_dir is None:
+        raise CheckpointError(
+            f"no run with a checkpoint under {root} {purpose}: name the run with --run_name and --checkpoint_dir, "
+            "or give a run folder or step_<N>/ directory"
+        )
+    return run_dir
+
+
+def named_checkpoint(spec: str, run_name: str | None = None, checkpoint_dir: str | None = None) -> Path:
+    """The checkpoint directory that evaluate and sample take: 'latest' (of run_name under checkpoint_dir, else of
+    the run saved most recently there), a run folder (its newest checkpoint) or a step_<N>/ directory."""
+    if spec != "latest":
+        return resolve_checkpoint(spec, Path(spec))
+    root = Path(checkpoint_dir or TrainConfig.model_fields["checkpoint_dir"].default)
+    return find_latest(latest_run(root, run_name, "to load"))
+
+
+def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
+    """--checkpoint (a step_<N>/ directory, a run folder or 'latest') and the --run_name / --checkpoint_dir that
+    'latest' reads, for the commands that load a checkpoint (evaluate, sample)."""
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="PATH|latest",
+        help="A step_<N>/ checkpoint directory, a run folder (its newest checkpoint, e.g. checkpoints/dev-1) or "
+        "'latest' (the newest checkpoint of --run_name, or of the run saved most recently).",
+    )
+    parser.add_argument("--run_name", default=None, help="With --checkpoint latest: the run whose newest to take.")
+    parser.add_argument(
+        "--checkpoint_dir", default=None, help="With --checkpoint latest: where runs are (default: checkpoints)."
+    )
+
+
+def checkpoint_from(args: argparse.Namespace) -> Path:
+    """The checkpoint directory evaluate / sample were pointed at, said in one line on stderr when it was found (a
+    run folder's or 'latest''s newest)."""
+    if args.checkpoint != "latest" and (args.run_name or args.checkpoint_dir):
+        raise ConfigError("--run_name and --checkpoint_dir go with --checkpoint latest; a path names its checkpoint")
+    path = named_checkpoint(args.checkpoint, args.run_name, args.checkpoint_dir)
+    if str(path) != args.checkpoint:
+        print(f"trainer2: checkpoint {path} (the newest of {path.parent})", file=sys.stderr)
+    return path
 
 
 def resume_layers(path: Path, meta: dict[str, Any], layers: Layers, run_dir: Path) -> Layers:
@@ -105,13 +151,16 @@ def resume_layers(path: Path, meta: dict[str, Any], layers: Layers, run_dir: Pat
     return [(f"checkpoint {path}", saved), ("the run directory", location), *layers]
 
 
-def resume_config(spec: str, layers: Layers, run_dir: Path) -> tuple[TrainConfig, Path]:
+def resume_config(spec: str, layers: Layers, run_dir: Path, trust_code: bool = False) -> tuple[TrainConfig, Path]:
     """(config, checkpoint path) for --resume into `run_dir` (resume_target): the checkpoint's saved config
-    overlaid by the user's layers, with run_dir as its location."""
+    overlaid by the user's layers, with run_dir as its location; checked whole (sha256) before its config is read, and
+    code it names imported only with trust_code (or named again by the user)."""
     path = resolve_checkpoint(spec, run_dir)
-    meta = read_meta(path)
+    meta = read_verified(path)
     try:
-        cfg = build_config(resume_layers(path, meta, layers, run_dir))
+        cfg = build_config(resume_layers(path, meta, layers, run_dir), trust_code)
+    except UntrustedCodeError:
+        raise
     except ConfigError as e:
         raise CheckpointError(f"{path / META_FILE}: its config cannot be used: {e}") from None
     check_config(meta["config"], cfg, path)
@@ -156,4 +205,6 @@ def resume_command(cfg: TrainConfig) -> str:
     line = f"{prog} --resume latest --run_name {shlex.quote(cfg.run_name)}"
     if cfg.checkpoint_dir != TrainConfig.model_fields["checkpoint_dir"].default:
         line += f" --checkpoint_dir {shlex.quote(cfg.checkpoint_dir)}"
+    if named_components(cfg.model_dump()):  # the run's own code, which its checkpoint names: this user consented to it
+        line += " --trust_code"
     return line

@@ -3,22 +3,26 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer2.data.dataset import Dataset, InputSpec
+from pydantic import ValidationError
+
+from trainer2.data.dataset import DataError, Dataset, InputSpec
 from trainer2.learning.gradients import GradientSource
 from trainer2.monitor.tensorboard import check_tracking
-from trainer2.running.checkpoint import data_fingerprint, resolve_checkpoint, step_name
+from trainer2.running.checkpoint import CheckpointError, data_fingerprint, resolve_checkpoint, step_name
 from trainer2.running.distributed import Distributed
 from trainer2.running.model import Model
 from trainer2.running.resume import check_resume, fresh_run_guard
-from trainer2.running.rundir import RunLock, fresh_name, refuse_planted, remove_orphans
+from trainer2.running.rundir import RunDirError, RunLock, check_location, fresh_name, refuse_planted, remove_orphans
 from trainer2.running.trainer import Trainer
-from trainer2.train_config import TrainConfig
+from trainer2.section import ConfigError, short_repr
+from trainer2.train_config import RunConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -33,14 +37,43 @@ class Run:
 
 
 def located(cfg: TrainConfig, run_dir: str | Path | None) -> TrainConfig:
-    """cfg writing into `run_dir` (its checkpoint_dir and run_name); without one, a run that names none gets a fresh
-    name run-<N> under checkpoint_dir, as on the command line."""
+    """cfg writing into `run_dir` (its checkpoint_dir and run_name, held to the command line's rules for them);
+    without one, a run that names none gets a fresh name run-<N> under checkpoint_dir, as on the command line."""
     if run_dir is not None:
+        if not isinstance(run_dir, (str, os.PathLike)):
+            raise RunDirError(f"run_dir must be a path (a str or pathlib.Path), got {type(run_dir).__name__}")
         path = Path(run_dir)
-        return cfg.model_copy(update={"checkpoint_dir": str(path.parent), "run_name": path.name})
+        try:  # RunConfig's own validators: run_dir's last part is the run name --run_name would be
+            where = RunConfig.model_validate({"checkpoint_dir": str(path.parent), "run_name": path.name})
+        except ValidationError as e:
+            why = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+            raise RunDirError(
+                f"run_dir {short_repr(str(run_dir))}: its last part names the run and obeys --run_name's rules: {why}. "
+                f"Pass a run_dir ending in such a name, e.g. {str(path.parent / 'run-1')!r}"
+            ) from None
+        return cfg.model_copy(update={"checkpoint_dir": where.checkpoint_dir, "run_name": where.run_name})
     if "run_name" in cfg.model_fields_set:
         return cfg
     return cfg.model_copy(update={"run_name": fresh_name(Path(cfg.checkpoint_dir), "run")})
+
+
+def check_arguments(cfg: Any, data: Any, resume: Any) -> None:
+    """Refuse arguments of the wrong kind with the fix, before anything is read or made."""
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(
+            f"cfg must be a trainer2.TrainConfig, got {type(cfg).__name__}; build one with trainer2.config(...), e.g. "
+            "trainer2.config(None, **settings) for a dict of settings"
+        )
+    if data is not None and not isinstance(data, Dataset):
+        raise DataError(
+            f"data must be a trainer2.Dataset, got {type(data).__name__}; build one from arrays with "
+            "trainer2.from_arrays(x_train, y_train, x_test, y_test), or name a data file in the config "
+            "(trainer2.config(..., data='path'), cfg.data) and pass no data"
+        )
+    if resume is not None and not isinstance(resume, (str, os.PathLike)):
+        raise CheckpointError(
+            f"resume must be 'latest' or a checkpoint directory (a str or pathlib.Path), got {type(resume).__name__}"
+        )
 
 
 def train(
@@ -61,10 +94,13 @@ def train(
     resume_hint, the command line's own, or else the Python call, which is also logged); a divergence raises
     trainer2.running.health.Diverged; a bad config, data or checkpoint a ValueError (ConfigError, DataError,
     CheckpointError, RunDirError) naming it."""
+    check_arguments(cfg, data, resume)
     cfg = located(cfg, run_dir)
     dist = Distributed() if dist is None else dist
     target = Path(cfg.checkpoint_dir) / cfg.run_name
     hint = resume_hint or f"trainer2.train(cfg, data, run_dir={str(target)!r}, resume='latest')"
+    if dist.is_main:
+        check_location(target)  # no run inside another (whose pruning would delete it): refused before anything is made
     with RunLock(target) if dist.is_main else nullcontext():  # held until the run ends: a second run here is refused
         if dist.is_main:
             refuse_planted(target)  # a link, FIFO or device where the run writes: refused before anything is read

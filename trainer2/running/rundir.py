@@ -26,6 +26,7 @@ LOCK_FILE = ".lock"
 SUMMARY_FILE = "summary.json"
 OWNER_FILE = ".run"  # {"run_id": ...}: which run the directory's files belong to, written before any of them
 RUN_FILES = (TELEMETRY_FILE, CONFIG_FILE, SUMMARY_FILE, OWNER_FILE)  # with the step_<N>/ checkpoints, what a run writes
+MARKS = (OWNER_FILE, TELEMETRY_FILE)  # with a step_<N>/ and a run's lock, names only a run gives a directory of its own
 ORPHAN_RE = re.compile(re.escape(TMP_PREFIX) + r"(?:old-)?step_\d{8,}-(\d+)")  # checkpoint.save's temporary names
 
 
@@ -50,6 +51,72 @@ def run_files(run_dir: Path) -> list[str]:
     if not run_dir.is_dir():
         return []
     return sorted(p.name for p in run_dir.iterdir() if p.name in RUN_FILES or STEP_RE.fullmatch(p.name))
+
+
+def run_marks(path: Path) -> list[str]:
+    """Names in directory `path` that mark it as a run's own: its owner file or telemetry, a step_<N> checkpoint, a
+    run's lock, or its config and summary together (either alone is too common a name); [] for any other directory."""
+    try:
+        names = {p.name for p in path.iterdir()}
+    except OSError:  # not a directory, or one this user cannot list (then no run of theirs is in it)
+        return []
+    found = {n for n in names if n in MARKS or STEP_RE.fullmatch(n)}
+    if {CONFIG_FILE, SUMMARY_FILE} <= names:
+        found |= {CONFIG_FILE, SUMMARY_FILE}
+    if LOCK_FILE in names and run_lock(path / LOCK_FILE):
+        found.add(LOCK_FILE)
+    return sorted(found)
+
+
+def run_lock(path: Path) -> bool:
+    """Whether lock file `path` is a run's (RunLock's record of its holder), not another tool's `.lock` (pytest's)."""
+    try:
+        with open_regular(path) as f:
+            holder = json.loads(f.read(4096).decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(holder, dict) and {"pid", "host", "since"} <= holder.keys()
+
+
+def check_location(run_dir: Path) -> None:
+    """Refuse, before anything is made, a run directory that is a file or lies inside another run (in a checkpoint
+    step_<N>, a save's temporary directory, or a directory holding a run's files), whose pruning or clean-up would
+    delete it; or one that holds another run's directory (which would then lie inside this one)."""
+    if os.path.lexists(run_dir) and not run_dir.is_dir():
+        raise RunDirError(
+            f"run directory {run_dir} is a file, not a directory; pick another --run_name (in Python: another "
+            "run_dir), or move the file"
+        )
+    parent = run_dir.absolute().parent
+    for above in [parent, *parent.parents]:
+        if os.path.lexists(above) and not above.is_dir():
+            raise RunDirError(
+                f"{above} is not a directory, so run directory {run_dir} cannot be made under it; pick another "
+                "--checkpoint_dir (in Python: another run_dir), or move the file"
+            )
+    real = parent.resolve()  # through links: a run reached by a link to another run's checkpoint is inside it too
+    for above in [real, *real.parents]:
+        run = above.parent
+        if STEP_RE.fullmatch(above.name):
+            why = f"checkpoint {above} of run {run}, which that run deletes when it prunes old checkpoints"
+        elif ORPHAN_RE.fullmatch(above.name):
+            why = f"{above}, a checkpoint save's temporary directory, which run {run} deletes when it starts"
+        elif marks := run_marks(above):
+            run, why = above, f"the directory of run {above} (it holds {', '.join(marks[:4])}), which is that run's own"
+        else:
+            continue
+        raise RunDirError(
+            f"run directory {run_dir} lies inside {why}; pick a --checkpoint_dir outside {run} (in Python: a run_dir "
+            "outside it)"
+        )
+    for inner in sorted(run_dir.iterdir()) if run_dir.is_dir() else ():
+        marks = [] if inner.is_symlink() else run_marks(inner)
+        if marks:
+            raise RunDirError(
+                f"run directory {run_dir} holds the directory of another run, {inner} (it holds "
+                f"{', '.join(marks[:4])}), which would then lie inside this run; move {inner} out, or pick another "
+                "--run_name or --checkpoint_dir (in Python: another run_dir), one that holds no run"
+            )
 
 
 def owner(run_dir: Path) -> str | None:

@@ -15,8 +15,10 @@ import torch
 from torch import Tensor
 
 from trainer2.data.dataset import encode
+from trainer2.flags import add_trust_flag, user_modules_from_cwd
 from trainer2.physics.relaxation import Relaxation
 from trainer2.running.model import WEIGHTS, WEIGHTS_HELP, load
+from trainer2.running.resume import add_checkpoint_flags, checkpoint_from
 from trainer2.section import ConfigError
 
 MAX_LENGTH = 1_000_000  # characters per call: one free phase each, so about a day of CPU at the limit
@@ -72,7 +74,7 @@ def sample_parser() -> argparse.ArgumentParser:
         description="Generate text from a checkpoint: one free-phase relaxation per character, "
         "in the checkpoint's own vocabulary.",
     )
-    p.add_argument("--checkpoint", required=True, help="Checkpoint directory, e.g. checkpoints/dev/step_00025000.")
+    add_checkpoint_flags(p)
     p.add_argument(
         "--prompt",
         default="",
@@ -92,6 +94,7 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="Seed of the sampling generator (default: 0).")
     p.add_argument("--device", default="cpu", help="Device to run on (default: cpu).")
     p.add_argument("--weights", choices=WEIGHTS, default="auto", help=WEIGHTS_HELP)
+    add_trust_flag(p)
     return p
 
 
@@ -104,12 +107,15 @@ def cmd_sample(argv: list[str]) -> int:
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not -(2**63) <= args.seed < 2**64:
         p.error(f"--seed must be in -2**63..2**64-1 (what torch.Generator takes), got {args.seed}")
-    model = load(args.checkpoint, device=args.device, weights=args.weights)
-    print(f"loaded {args.checkpoint} (window {model.window}, {model.weights} weights)", file=sys.stderr)
+    user_modules_from_cwd(args)
+    path = checkpoint_from(args)
+    model = load(path, device=args.device, weights=args.weights, trust_code=args.trust_code)
+    print(f"loaded {path} (window {model.window}, {model.weights} weights)", file=sys.stderr)
     vocab = list(model.inputs.vocab)
     if not vocab:
         raise ConfigError(
-            f"--checkpoint {args.checkpoint}: trained on feature data, not text; sample needs a text model"
+            f"--checkpoint {path}: trained on {model.inputs.kind}, not text; sample generates text, so it needs a "
+            "text model (score this one with trainer2 evaluate)"
         )
     print(args.prompt + generate(model.relaxation(1), vocab, args.prompt, args.length, args.temperature, args.seed))
     return 0

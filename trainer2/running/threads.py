@@ -146,8 +146,27 @@ class ThreadTuner(Callback):
         self.set_threads(threads)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all of them where the OS does not say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def warn_oversubscribed(cpu_threads: int, log: Callable[[str], None], cores: int | None = None) -> None:
+    """Warn (once per run: the run calls this as it is built) when cpu_threads asks for more threads than the cores
+    this process may use: the extra threads share cores and stall each other's parallel regions."""
+    cores = usable_cores() if cores is None else cores
+    if cpu_threads > cores:
+        log(
+            f"warning: cpu_threads {cpu_threads} is more than the {cores} core(s) this process may use: the threads "
+            f"oversubscribe them and stall one another; give cpu_threads {cores} or less, or 0 (measured: every core "
+            "while that is faster than one thread, one while the machine is shared)"
+        )
+
+
 def thread_tuners(cpu_threads: int, cores: int, device_type: str, log: Callable[[str], None]) -> list[ThreadTuner]:
-    """The tuner a run needs: one where cpu_threads is 0 (every core) on a CPU with more than one core, else none."""
+    """The tuner a run needs: one where cpu_threads is 0 (every core) on a CPU with more than one core, else none;
+    a cpu_threads above the cores this process may use is warned about here."""
+    warn_oversubscribed(cpu_threads, log)
     if cpu_threads != 0 or cores < 2 or device_type != "cpu":
         return []
     return [ThreadTuner(cores, torch.set_num_threads, log)]

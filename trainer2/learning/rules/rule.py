@@ -14,11 +14,11 @@ from typing import ClassVar, Protocol
 from pydantic import Field, field_validator
 from torch import Tensor
 
-from trainer2.components import resolve
+from trainer2.components import ComponentError, resolve
 from trainer2.learning.gradients import StepResult
 from trainer2.physics.nudge import NudgeScheme
 from trainer2.physics.relaxation import DynamicsConfig, Relaxation
-from trainer2.section import Section
+from trainer2.section import Section, short_repr
 
 
 class Rule(Protocol):
@@ -53,5 +53,13 @@ class RuleConfig(Section):
 
 
 def rule_scheme(rule: str, dynamics: DynamicsConfig) -> NudgeScheme:
-    """The nudge scheme of the rule named `rule` for this dynamics section."""
-    return resolve("rule", rule).scheme(dynamics)
+    """The nudge scheme of the rule named `rule` for this dynamics section; anything else its scheme() returns is a
+    ComponentError naming the rule (a relaxation handed None would run the default rule's phases instead)."""
+    scheme = resolve("rule", rule).scheme(dynamics)
+    if not isinstance(scheme, NudgeScheme):
+        raise ComponentError(
+            f"rule {rule!r}: scheme(dynamics) returned {short_repr(scheme)} ({type(scheme).__name__}); it must return "
+            "a trainer2.physics.nudge.NudgeScheme, e.g. NudgeScheme.centred(dynamics.beta_nudge, "
+            "own_argmax=dynamics.own_argmax) (docs/rules.md)"
+        )
+    return scheme
