@@ -173,3 +173,15 @@ def test_a_resume_of_the_wrong_type_is_refused(tmp_path, small_text, resume):
 
 def test_run_dir_error_is_exported():
     assert trainer2.RunDirError is RunDirError and "RunDirError" in trainer2.__all__
+
+
+def test_re_saving_a_step_keeps_what_no_save_wrote(tmp_path):
+    """A step saved again (the same window, after a resume) swaps its directory; a user's file in it moves across."""
+    import torch
+
+    first = ck.save(tmp_path, 2, {"w": torch.zeros(3)}, {"config": {}})
+    (first / "notes.txt").write_text("mine")
+    again = ck.save(tmp_path, 2, {"w": torch.ones(3)}, {"config": {}})
+    assert (again / "notes.txt").read_text() == "mine"
+    assert ck.load_tensors(again, json.loads((again / "meta.json").read_text()))["w"].sum() == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]  # no temporary directory left

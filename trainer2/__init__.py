@@ -13,7 +13,7 @@ the trainer2.Coupling protocol, most simply a subclass of one of them) is named 
 
 from trainer2.components import ComponentError, UntrustedCodeError
 from trainer2.data.arrays import from_arrays
-from trainer2.data.dataset import DataError, Dataset
+from trainer2.data.dataset import DataError, Dataset, LabelWarning
 from trainer2.physics.couplings import Conv, Coupling, Dense
 from trainer2.presets import config
 from trainer2.running.checkpoint import CheckpointError
@@ -34,6 +34,7 @@ __all__ = [
     "Dataset",
     "Dense",
     "Diverged",
+    "LabelWarning",
     "Model",
     "Run",
     "RunDirError",

@@ -27,6 +27,7 @@ from trainer2.flags import (
 )
 from trainer2.io import strictjson
 from trainer2.io.console import guarded_streams, say
+from trainer2.io.parser import Parser
 from trainer2.monitor.plot import cmd_plot
 from trainer2.presets import preset_names, preset_path
 from trainer2.running.checkpoint import CheckpointError, read_meta
@@ -49,15 +50,26 @@ from trainer2.section import ConfigError
 from trainer2.train_config import annotated_yaml, build_config, config_origins
 
 EXIT_REFUSED, EXIT_DIVERGED, EXIT_IOERR = 2, 3, 74  # 74: EX_IOERR of sysexits.h
+# What each command does, for the top of --help (tests/test_cli_help.py checks it names every command in COMMANDS).
+COMMAND_HELP = {
+    "train": "(default) train a machine with Equilibrium Propagation (no autograd); its flags follow",
+    "evaluate": "print a checkpoint's held-out metrics as JSON",
+    "sample": "generate text from a checkpoint",
+    "plot": "write PNG curves of a run from its telemetry.jsonl",
+    "bench": "time the batch step: eager, CUDA graph, torch.compile and the Triton kernels",
+}
 
 
 def train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    commands = "\n".join(f"  {name:<9} {text}" for name, text in COMMAND_HELP.items())
+    p = Parser(
         prog="trainer2",
-        allow_abbrev=False,  # --max_w 3 must not quietly mean --max_windows 3
-        description="Train a physics-style learning machine with Equilibrium Propagation (no autograd).",
-        epilog="Layers, lowest first: field defaults < --preset < --config < flags. "
-        "Other commands: trainer2 evaluate|sample|bench|plot --help",
+        usage="trainer2 [COMMAND] [--preset NAME] [--config FILE] [--FIELD VALUE ...]",  # not all ~80 flags
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the command list's lines
+        commands=COMMAND_HELP,
+        description=f"commands (trainer2 COMMAND --help for each):\n{commands}\n\n"
+        "Every config field is a flag of the same name, grouped below by the config's sections.",
+        epilog="Layers, lowest first: field defaults < --preset < --config < flags.",
     )
     p.add_argument(
         "--preset", help=f"Preset name ({', '.join(preset_names())}; shipped in the package) or a YAML path."
@@ -153,9 +165,7 @@ def cmd_sample(argv: list[str]) -> int:
 
 
 def cmd_evaluate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="trainer2 evaluate", allow_abbrev=False, description="Print the held-out metrics of a checkpoint as JSON."
-    )
+    p = Parser(prog="trainer2 evaluate", description="Print the held-out metrics of a checkpoint as JSON.")
     add_checkpoint_flags(p)
     p.add_argument("--device", default=argparse.SUPPRESS, help="Device to evaluate on (default: the checkpoint's).")
     p.add_argument(
@@ -166,6 +176,13 @@ def cmd_evaluate(argv: list[str]) -> int:
         help="Held-out batches of 512 to score; none = all (default: the checkpoint's).",
     )
     p.add_argument("--weights", choices=WEIGHTS, default="auto", help=WEIGHTS_HELP)
+    p.add_argument(
+        "--data",
+        default=argparse.SUPPRESS,
+        metavar="PATH",
+        help="The run's data where it is now (moved, or trained from Python and saved to a file); its contents must "
+        "match the checkpoint's (default: the checkpoint's --data).",
+    )
     add_trust_flag(p)
     parsed = p.parse_args(argv)
     user_modules_from_cwd(parsed)
@@ -174,6 +191,14 @@ def cmd_evaluate(argv: list[str]) -> int:
     from trainer2.running.model import load
 
     model = load(path, **args)
+    try:  # no file names the data of a run trained from Python: say how to score it, not that the corpus differs
+        model.refuse_data_from_memory()
+    except DataError:
+        raise DataError(
+            f"{path}: its run was trained on data given in memory (from Python), which no file names; evaluate it "
+            f"from Python, trainer2.load({str(path)!r}).evaluate(trainer2.from_arrays(...)), or save that data with "
+            "numpy.savez(FILE.npz, x=x, y=y) and pass --data FILE.npz"
+        ) from None
     print(f"loaded {path} (window {model.window}, {model.weights} weights)", file=sys.stderr)
     validation = model.evaluate(split="validation") if model.cfg.validation_fraction else {}
     out = {"checkpoint": str(path), "window": model.window, "weights": model.weights, **model.evaluate(), **validation}

@@ -10,7 +10,8 @@ import types
 import typing
 from typing import Any, Callable, Literal
 
-from trainer2.components import named_components
+from trainer2.components import BUILTIN, named_components, resolve
+from trainer2.io.parser import Parser
 from trainer2.presets import yaml_layers
 from trainer2.section import ConfigError
 from trainer2.train_config import TrainConfig, accepted_keys, build_config
@@ -24,13 +25,27 @@ def none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse_optional
 
 
+LAYERS_HELP = (
+    "KIND:SIZE is a layer of SIZE units, such as dense:256 (or module.Class:SIZE of your own coupling); a layer whose "
+    "spec is a mapping, such as conv's {channels, kernel, pool, pooling}, is written in a YAML file passed with "
+    "--config FILE: layers: [{conv: {channels: 16, kernel: 5, pool: 2}}]"
+)
+
+
 def layer_flag(text: str) -> dict[str, Any]:
     """--layers entries: KIND:SIZE (dense:256, my_couplings.WideDense:64) -> {KIND: SIZE}; the config validates kind
-    and size."""
-    kind, sep, size = text.partition(":")
-    if not sep or not size.strip().lstrip("-").isdigit():
-        raise argparse.ArgumentTypeError(f"expected KIND:SIZE such as dense:256, got {text!r}")
-    return {kind.strip(): int(size)}
+    and size, but a built-in kind whose spec is not a size (conv) is refused here, saying how to write it."""
+    kind, sep, size = (part.strip() for part in text.partition(":"))
+    if not sep or not size.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"expected KIND:SIZE, got {text!r}: {LAYERS_HELP}")
+    if kind in BUILTIN["coupling"] and int(size) >= 1:  # dense:0 is left to the config, which names the bound
+        try:
+            resolve("coupling", kind).spec_size(int(size))
+        except ValueError:  # the kind's spec is a mapping, which KIND:SIZE cannot write
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: a {kind} layer takes a spec, not a size; {LAYERS_HELP}"
+            ) from None
+    return {kind: int(size)}
 
 
 def add_trust_flag(parser: argparse.ArgumentParser) -> None:
@@ -53,10 +68,22 @@ def user_modules_from_cwd(args: argparse.Namespace) -> None:
         sys.path.append(os.getcwd())
 
 
+def section_of(name: str) -> type:
+    """The config section (RunConfig, MachineConfig, ...) that declares a TrainConfig field: the first class of
+    TrainConfig's MRO whose own annotations name it."""
+    return next(c for c in TrainConfig.__mro__ if name in vars(c).get("__annotations__", {}))
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field; absent flags stay out of the namespace so lower layers show through."""
-    group = parser.add_argument_group("config fields (each overrides presets and --config)")
+    """One flag per TrainConfig field, grouped by the section that declares it (--help lists them so); absent flags
+    stay out of the namespace so lower layers show through."""
+    groups: dict[type, argparse._ArgumentGroup] = {}
     for name, field in TrainConfig.model_fields.items():
+        section = section_of(name)
+        if section not in groups:
+            doc = (section.__doc__ or "").strip().split("\n")[0]
+            groups[section] = parser.add_argument_group(section.__name__, doc)
+        group = groups[section]
         ann = field.annotation
         args = typing.get_args(ann)
         optional = typing.get_origin(ann) in (typing.Union, types.UnionType) and type(None) in args
@@ -73,7 +100,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         else:
             kw.update(type=none_or(base) if optional else base, metavar=base.__name__.upper())
         group.add_argument(f"--{name}", **kw)
-    group.add_argument(
+    groups[section_of("layers")].add_argument(
         "--hidden_sizes",
         nargs="+",
         type=int,
@@ -81,13 +108,13 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="Shorthand for --layers dense:N ...: dense hidden layers of these sizes.",
     )
-    group.add_argument(
+    groups[section_of("rule")].add_argument(
         "--symmetric_nudge",
         action=argparse.BooleanOptionalAction,
         default=argparse.SUPPRESS,
         help="Old spelling of --rule: --symmetric_nudge is --rule ep, --no-symmetric_nudge --rule ep_positive.",
     )
-    group.add_argument(
+    groups[section_of("free_steps")].add_argument(
         "--tbptt_window_steps",
         type=int,
         metavar="INT",
@@ -121,6 +148,6 @@ def config_layers(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 def flag_overrides(argv: list[str]) -> dict[str, Any]:
     """The config fields a list of `--FIELD VALUE` flags sets, parsed as the command line parses them (the same
     types, old names and errors); for scripts that pass flags on to `trainer2.config(preset, **overrides)`."""
-    parser = argparse.ArgumentParser(prog="trainer2 flags", allow_abbrev=False)
+    parser = Parser(prog="trainer2 flags")
     add_config_flags(parser)
     return {k: v for k, v in vars(parser.parse_args(argv)).items() if k in accepted_keys()}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -16,10 +18,20 @@ import numpy as np
 import torch
 
 SPLITS = ("train", "validation", "heldout")
+# Every form --data takes, for the messages about a path none of them reads
+DATA_FORMATS = (
+    "a UTF-8 text file, an .npz feature or image set (arrays x and y), a .csv table of numbers, an MNIST IDX or "
+    "CIFAR-10 batches directory, or torchvision:NAME:ROOT"
+)
 
 
 class DataError(ValueError):
     """Bad data file or data set; the message names the file and what was expected."""
+
+
+class LabelWarning(UserWarning):
+    """Class labels that leave classes without an example (gaps, a stray large label) or held-out classes the
+    training split never shows: the data set still loads, with one class per index up to the largest label."""
 
 
 @dataclass(eq=False)  # eq=False: comparing tensor fields with == is ambiguous
@@ -319,7 +331,7 @@ def feature_dataset(
         kind="features",
         source=source,
         vocab=[],
-        num_classes=int(max(y.max(), y_held.max())) + 1,
+        num_classes=class_count(source, y, y_held),
         input_dim=x.shape[1],
         context_len=0,
         train=rows(x, np.float32),
@@ -327,3 +339,59 @@ def feature_dataset(
         train_y=rows(y, np.int64),
         heldout_y=rows(y_held, np.int64),
     )
+
+
+def class_count(source: str, y: np.ndarray, y_held: np.ndarray) -> int:
+    """The class count K = largest label + 1 of a data set's train and held-out labels; warns (LabelWarning, naming
+    `source`) when some class below K has no example, or a held-out class has no training example, since either
+    usually means labels that were never renumbered 0..K-1 or ordered rows cut into splits unshuffled."""
+    train, held = np.unique(y), np.unique(y_held)  # small: one label per row
+    present = np.union1d(train, held)
+    k = int(present[-1]) + 1
+    notes = []
+    if len(present) < k:
+        missing = np.setdiff1d(np.arange(k), present, assume_unique=True)
+        notes.append(
+            f"labels {spans(present)}: {counted(missing, 'class', 'classes')} no example; the machine gets {k} "
+            "classes. Renumber them 0..K-1 if that is not meant"
+        )
+    unseen = np.setdiff1d(held, train, assume_unique=True)
+    if len(unseen):
+        notes.append(
+            f"held-out {counted(unseen, 'label', 'labels')} no training example, so the machine cannot learn "
+            f"{'it' if len(unseen) == 1 else 'them'}; shuffle rows ordered by class before the held-out split is cut, "
+            "or give a held-out split whose classes the training split has"
+        )
+    if notes:
+        warnings.warn(f"{source}: " + "; ".join(notes), LabelWarning, stacklevel=caller_level())
+    return k
+
+
+def counted(values: np.ndarray, one: str, many: str) -> str:
+    """'class 3 has' or 'classes 1, 3 have': the noun and verb agreeing with how many values there are."""
+    return f"{one} {spans(values)} has" if len(values) == 1 else f"{many} {spans(values)} have"
+
+
+def caller_level() -> int:
+    """warnings.warn's stacklevel for the innermost caller outside trainer2, so a warning points at the user's line
+    (from_arrays(...)) rather than at the reader inside trainer2 that found the problem."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1  # level 1: the function that calls warnings.warn
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def spans(values: np.ndarray, most: int = 8) -> str:
+    """Sorted ints as a person reads them: '1, 3, 4', runs of three or more as '7..99', and at most `most` parts
+    ('and N more' after), so a label of a million still makes a short message."""
+    v = [int(a) for a in values]
+    parts: list[str] = []
+    start = 0
+    for i in range(1, len(v) + 1):
+        if i == len(v) or v[i] != v[i - 1] + 1:
+            run = v[start:i]
+            parts += [f"{run[0]}..{run[-1]}"] if len(run) >= 3 else [str(a) for a in run]
+            start = i
+    shown = ", ".join(parts[:most])
+    return shown if len(parts) <= most else f"{shown} and {len(parts) - most} more"

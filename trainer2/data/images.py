@@ -16,7 +16,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from trainer2.data.dataset import DataError, Dataset, held_out
+from trainer2.data.dataset import DataError, Dataset, class_count, held_out
 from trainer2.data.load import DataConfig
 from trainer2.io.safeio import open_regular
 
@@ -60,7 +60,7 @@ def image_dataset(
         kind="images",
         source=source,
         vocab=[],
-        num_classes=int(max(y.max(), y_held.max())) + 1,
+        num_classes=class_count(source, y, y_held),
         input_dim=train.shape[1],
         context_len=0,
         train=train,

@@ -13,7 +13,7 @@ from typing import ClassVar, Protocol
 from pydantic import Field, field_validator
 
 from trainer2.components import builtin_names, resolve
-from trainer2.data.dataset import DataError, Dataset
+from trainer2.data.dataset import DATA_FORMATS, DataError, Dataset
 from trainer2.section import Section
 
 
@@ -97,7 +97,7 @@ def find_format(path: str | None, name: str) -> DataFormat:
     if path is not None and Path(path).is_dir():
         raise DataError(
             f"{path}: a directory, but neither MNIST IDX files (train-images-idx3-ubyte[.gz], ...) nor CIFAR-10 "
-            "python batches (data_batch_1, ..., test_batch); expected one of those, a text file or an .npz"
+            f"python batches (data_batch_1, ..., test_batch); expected {DATA_FORMATS}"
         )
     raise DataError(f"{path}: no data format recognises it; name one with --data_format")
 
@@ -106,7 +106,11 @@ def load_data(cfg: DataConfig, data: Dataset | None = None) -> Dataset:
     """The data set cfg.data names, read by its format (cfg.data_format), or `data` (given in memory); with the end
     of its training split set apart for validation when cfg.validation_fraction > 0."""
     if data is None:
-        data = find_format(cfg.data, cfg.data_format).load(cfg.data, cfg)
+        reader = find_format(cfg.data, cfg.data_format)
+        if cfg.data_format == "auto" and reader.name == "text" and cfg.data and not Path(cfg.data).exists():
+            # text is only the fallback for a path no other format claims: a missing one may have meant any of them
+            raise DataError(f"{cfg.data}: file does not exist; expected {DATA_FORMATS}")
+        data = reader.load(cfg.data, cfg)
     if cfg.validation_fraction and data.validation is None:
         data = data.with_validation(cfg.validation_fraction)
     return data

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TextIO
+from dataclasses import dataclass
+from typing import Any, Literal, TextIO
+
+Log = Callable[[str], None]
+LogChoice = Log | Literal["quiet", "verbose"]  # what `trainer2.train(..., log=)` takes
+WARNING = "warning:"  # how every warning of a run begins, so a quiet log can keep them
 
 
 def silence(stream: TextIO | None) -> None:
@@ -33,6 +38,39 @@ def say(msg: str) -> None:
         print(msg, flush=True)
     except (OSError, ValueError):  # a broken pipe, a full device, a closed descriptor
         silence(sys.stdout)
+
+
+def warnings_only(log: Log) -> Log:
+    """`log` for the lines that are warnings; the config, backends, checkpoints and notes are dropped."""
+
+    def log_warnings(msg: str) -> None:
+        if msg.startswith(WARNING):
+            log(msg)
+
+    return log_warnings
+
+
+@dataclass(frozen=True)
+class RunLog:
+    """Where a run's lines go. notes: the resolved config, backends, checkpoints, notes and warnings; headline: the
+    one-line start and end of a run (and how to continue a stopped one), or None where a callable log takes every
+    line as it always has (the command line prints its own ending)."""
+
+    notes: Log
+    headline: Log | None
+
+    @staticmethod
+    def of(log: LogChoice) -> RunLog:
+        """The lines `log` asks for: "quiet" the headline and warnings; "verbose" all; a callable every note, no
+        headline."""
+        if isinstance(log, str) and log in ("quiet", "verbose"):
+            return RunLog(say if log == "verbose" else warnings_only(say), say)
+        if callable(log):
+            return RunLog(log, None)
+        raise ValueError(
+            f"log must be 'quiet', 'verbose' or a function taking each line (e.g. print or a_list.append), "
+            f"got {log!r:.80}"
+        )
 
 
 class Dropping:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from trainer2.callbacks import Callback, LoopState
 from trainer2.monitor.profiling import PhaseTimer, WindowProfiler, timing_table

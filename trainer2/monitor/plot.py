@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
 
+from trainer2.io.parser import Parser
 from trainer2.io.safeio import refuse_links
 from trainer2.monitor.telemetry import TELEMETRY_FILE, TelemetryError, read_telemetry
 
-# One figure per entry: file name, title, y label, log scale, the telemetry keys drawn.
+# One figure per entry: file name, title, y label, log scale, the telemetry keys drawn. A figure none of whose keys
+# the run logged (bits per character of a feature or image run) is not written.
 PANELS = (
-    ("bpc.png", "bits per character", "bpc", False, ("train_bpc", "heldout_bpc")),
-    ("accuracy.png", "accuracy", "accuracy", False, ("train_acc", "heldout_acc")),
+    ("bpc.png", "bits per character", "bpc", False, ("train_bpc", "heldout_bpc", "validation_bpc")),
+    ("loss.png", "loss", "nats / example", False, ("train_loss", "heldout_loss", "validation_loss")),
+    ("accuracy.png", "accuracy", "accuracy", False, ("train_acc", "heldout_acc", "validation_acc")),
     ("lior_spd.png", "relaxation observables (free phase)", "value", True, ("lior_mean", "spd_mean", "spd_last")),
     ("speed.png", "throughput", "windows / s", False, ("windows_per_second",)),
 )
@@ -47,7 +49,8 @@ def series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[floa
 
 
 def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
-    """Write one PNG per panel (and timing.png when the run had timing_debug) into out_dir (default RUN_DIR/plots)."""
+    """Write one PNG per panel the telemetry holds data for (and timing.png when the run had timing_debug) into
+    out_dir (default RUN_DIR/plots); text's loss is drawn as its bits per character only, the same curve."""
     Figure = figure_class()
     rows = read_telemetry(run_dir / TELEMETRY_FILE)
     if not rows:
@@ -66,29 +69,30 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     panels = PANELS + ((("timing.png", "time per window by phase", "ms / window", False, timing),) if timing else ())
     written = []
     for name, title, ylabel, log, keys in panels:
+        drawn = [(key, *series(rows, key)) for key in keys]
+        drawn = [(key, x, y) for key, x, y in drawn if x]
+        if not drawn or (name == "loss.png" and out_dir / "bpc.png" in written):
+            continue  # nothing logged under these keys (an empty figure says nothing), or text's loss, already in bits
         fig = Figure(figsize=(7, 4), layout="constrained")
         ax = fig.add_subplot()
-        for key in keys:
-            x, y = series(rows, key)
-            if x:
-                ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3, label=key)
+        for key, x, y in drawn:
+            ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3, label=key)
         if log and ax.lines and all(v > 0 for line in ax.lines for v in line.get_ydata()):
             ax.set_yscale("log")
         ax.set(title=f"{run_dir.name}: {title}", xlabel="window", ylabel=ylabel)
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
+        ax.legend()
         path = out_dir / name
         refuse_links(path)  # savefig would write through a link to wherever it points
         fig.savefig(path, dpi=100)
         written.append(path)
+    if not written:
+        raise TelemetryError(f"{run_dir / TELEMETRY_FILE}: its rows hold no metric to plot")
     return written
 
 
 def cmd_plot(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="trainer2 plot", allow_abbrev=False, description="PNG curves of a run from its telemetry.jsonl."
-    )
+    p = Parser(prog="trainer2 plot", description="PNG curves of a run from its telemetry.jsonl.")
     p.add_argument("run_dir", type=Path, help="Run directory, e.g. checkpoints/dev (holds telemetry.jsonl).")
     p.add_argument("--out", type=Path, default=None, help="Where to write the PNGs (default: RUN_DIR/plots).")
     args = p.parse_args(argv)

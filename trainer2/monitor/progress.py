@@ -1,13 +1,17 @@
-"""The progress bar over windows (tqdm), a callback of the training loop: rank 0 shows it, the others do not."""
+"""The progress bar over windows (tqdm.auto: a widget in a Jupyter notebook with ipywidgets, else text), a callback
+of the training loop: rank 0 shows it, the others do not."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from tqdm import tqdm
+from tqdm.auto import tqdm
+from tqdm.autonotebook import tqdm as chosen
+from tqdm.std import tqdm as text_bar
 
 from trainer2.callbacks import Callback, LoopState
 
+WIDGET = chosen is not text_bar  # tqdm.auto chose the notebook's widget: it redraws in place, never floods
 PIPE_INTERVAL = 30.0  # seconds between bar lines when stderr is no terminal (a pipe, CI): a line every 30 s, no flood
 
 
@@ -30,7 +34,7 @@ class ProgressBar(Callback):
             mininterval=1.0,
             **({} if self.show else {"disable": True}),  # shown: tqdm's own default, so TQDM_DISABLE=1 still hides it
         )
-        if not self.bar.disable and not getattr(self.bar.fp, "isatty", lambda: False)():
+        if not (WIDGET or self.bar.disable or getattr(self.bar.fp, "isatty", lambda: False)()):
             self.bar.mininterval = self.bar.maxinterval = PIPE_INTERVAL
 
     def on_log(self, state: LoopState, row: dict[str, Any]) -> None:

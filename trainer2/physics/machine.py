@@ -88,7 +88,15 @@ class MachineConfig(Section):
             try:
                 size = math.prod(resolve("coupling", kind).spec_size(spec))
             except ValueError as e:  # a ComponentError too: the kind names nothing usable
-                raise ValueError(f"layer {i} ({kind}): {e}") from None
+                hint = ""
+                size_given = isinstance(spec, int) and not isinstance(spec, bool) and spec >= 1
+                if size_given and not isinstance(e, ConfigError):  # the kind resolved, but takes a spec, not a size
+                    example = f"{{channels: {spec}, kernel: 5, pool: 2}}" if kind == "conv" else "{...}"
+                    hint = (
+                        f"; a {kind} layer is written in YAML (a --config FILE), e.g. layers: [{{{kind}: {example}}}], "
+                        "since the --layers flag's KIND:SIZE gives only a size"
+                    )
+                raise ValueError(f"layer {i} ({kind}): {e}{hint}") from None
             if size > MAX_WIDTH:
                 raise ValueError(f"layer {i} ({kind}): at most {MAX_WIDTH} units a layer, got {size}")
         return v

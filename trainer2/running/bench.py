@@ -30,6 +30,7 @@ from trainer2.data.dataset import Dataset
 from trainer2.data.load import DataConfig, load_data
 from trainer2.data.sampler import Sampler
 from trainer2.flags import add_config_flags, resolve_config
+from trainer2.io.parser import Parser
 from trainer2.learning.rules.rule import rule_scheme
 from trainer2.learning.step import BatchStep, build_step
 from trainer2.learning.update import UpdateConfig
@@ -408,7 +409,7 @@ def report(
 
 
 def bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trainer2 bench", allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    p = Parser(prog="trainer2 bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", help="Preset name in configs/ or a YAML path (the machine and window to time).")
     p.add_argument("--config", help="YAML file of config fields, applied over the preset.")
     p.add_argument(

@@ -235,8 +235,11 @@ def save(run_dir: Path, step: int, tensors: dict[str, Tensor], meta: dict[str, A
             f.write(strictjson.dumps(meta, indent=1))  # a diverged run's history holds NaN: null, not NaN
             f.flush()
             os.fsync(f.fileno())
-        _fsync(tmp)
         if target.exists():  # re-saving a step (a resume from an older checkpoint): swap, then drop the old one
+            for name in foreign_entries(target):  # what no save wrote (a user's notes) moves into the new one
+                os.rename(target / name, tmp / name)
+        _fsync(tmp)
+        if target.exists():
             old = run_dir / f"{TMP_PREFIX}old-{target.name}-{os.getpid()}"
             os.rename(target, old)
             os.rename(tmp, target)

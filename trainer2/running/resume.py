@@ -22,7 +22,6 @@ from trainer2.running.checkpoint import (
     META_FILE,
     CheckpointError,
     check_config,
-    find_latest,
     list_checkpoints,
     read_meta,
     read_verified,
@@ -30,7 +29,7 @@ from trainer2.running.checkpoint import (
     saved_config,
     step_of,
 )
-from trainer2.running.rundir import RUN_FILES, RunDirError, fresh_name, newest_run, owner, run_files
+from trainer2.running.rundir import RUN_FILES, RunDirError, fresh_name, lock_holder, newest_run, owner, run_files
 from trainer2.train_config import ConfigError, TrainConfig, build_config
 
 Layers = list[tuple[str, dict[str, Any]]]
@@ -87,20 +86,47 @@ def resume_target(spec: str, layers: Layers) -> Path:
     if spec == "latest":
         run_dir = latest_run(Path(user.get("checkpoint_dir", default_root)), user.get("run_name"), "to resume")
     else:
-        own = resolve_checkpoint(spec, Path(spec))  # a run folder: its newest checkpoint
+        own = checkpoint_of(spec, Path(spec))  # a run folder: its newest checkpoint
         own = own if own.parent.name else own.resolve()  # "step_N" inside its run: the full path
         run_dir = Path(user.get("checkpoint_dir", own.parent.parent)) / user.get("run_name", own.parent.name)
-    read_meta(resolve_checkpoint(spec, run_dir))  # no checkpoint there: refused before anything is created or locked
+    read_meta(checkpoint_of(spec, run_dir))  # no checkpoint there: refused before anything is created or locked
     return run_dir
+
+
+def checkpoint_of(spec: str, run_dir: Path) -> Path:
+    """resolve_checkpoint(spec, run_dir), except that a run with no checkpoint yet whose lock another process holds
+    is said to be in use (a RunDirError naming the holder), not to have nothing to resume."""
+    try:
+        return resolve_checkpoint(spec, run_dir)
+    except CheckpointError:
+        run = run_dir if spec == "latest" else Path(spec)
+        holder = lock_holder(run)
+        if holder is not None:
+            raise RunDirError(
+                f"run {run.name!r} ({run}) has no checkpoint yet: it is in use by {holder}, still running; wait for "
+                "it to save a checkpoint, or stop it first (Ctrl-C saves one)"
+            ) from None
+        raise
 
 
 def latest_run(root: Path, run_name: str | None, purpose: str) -> Path:
     """The run `latest` means: `run_name` under root, or else the run under root that saved most recently."""
     run_dir = root / run_name if run_name else newest_run(root)
     if run_dir is None:
+        going = [
+            f"{p.name} ({h})"
+            for p in (sorted(root.iterdir()) if root.is_dir() else ())
+            if p.is_dir() and (h := lock_holder(p))
+        ]
+        running = (
+            f"; {', '.join(going)} {'is' if len(going) == 1 else 'are'} still running without a checkpoint yet: wait "
+            "for a save, or stop it first (Ctrl-C saves one)"
+            if going
+            else ""
+        )
         raise CheckpointError(
             f"no run with a checkpoint under {root} {purpose}: name the run with --run_name and --checkpoint_dir, "
-            "or give a run folder or step_<N>/ directory"
+            f"or give a run folder or step_<N>/ directory{running}"
         )
     return run_dir
 
@@ -109,9 +135,9 @@ def named_checkpoint(spec: str, run_name: str | None = None, checkpoint_dir: str
     """The checkpoint directory that evaluate and sample take: 'latest' (of run_name under checkpoint_dir, else of
     the run saved most recently there), a run folder (its newest checkpoint) or a step_<N>/ directory."""
     if spec != "latest":
-        return resolve_checkpoint(spec, Path(spec))
+        return checkpoint_of(spec, Path(spec))
     root = Path(checkpoint_dir or TrainConfig.model_fields["checkpoint_dir"].default)
-    return find_latest(latest_run(root, run_name, "to load"))
+    return checkpoint_of(spec, latest_run(root, run_name, "to load"))
 
 
 def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from trainer2.data.dataset import DataError, Dataset, InputSpec
+from trainer2.io.console import LogChoice, RunLog
 from trainer2.learning.gradients import GradientSource
 from trainer2.monitor.tensorboard import check_tracking
 from trainer2.running.checkpoint import CheckpointError, data_fingerprint, resolve_checkpoint, step_name
@@ -20,6 +20,7 @@ from trainer2.running.distributed import Distributed
 from trainer2.running.model import Model
 from trainer2.running.resume import check_resume, fresh_run_guard
 from trainer2.running.rundir import RunDirError, RunLock, check_location, fresh_name, refuse_planted, remove_orphans
+from trainer2.running.summary import done_line
 from trainer2.running.trainer import Trainer
 from trainer2.section import ConfigError, short_repr
 from trainer2.train_config import RunConfig, TrainConfig
@@ -83,20 +84,30 @@ def train(
     run_dir: str | Path | None = None,
     resume: str | Path | None = None,
     gradients: GradientSource | None = None,
-    log: Callable[[str], None] = print,
+    log: LogChoice = "quiet",
     dist: Distributed | None = None,
     resume_hint: str | None = None,
 ) -> Run:
-    """Train a machine on `data` (default: the data cfg.data names) and return the Run. run_dir: where it writes
-    (default: <checkpoint_dir>/<run_name>); resume: "latest" or a checkpoint directory to continue from; gradients:
-    a gradient source in place of the config's rule's (trainer2.learning.gradients). A stop signal (Ctrl-C) saves and
-    returns (run.summary["interrupted"] names it, and run.summary["resume_command"] says how to continue:
-    resume_hint, the command line's own, or else the Python call, which is also logged); a divergence raises
+    """Train a machine on `data` and return the Run.
+
+    cfg: the run's TrainConfig (trainer2.config(...)). data: a Dataset (trainer2.from_arrays(...)); None reads the
+    data cfg.data names. run_dir: where it writes (default: <checkpoint_dir>/<run_name>, or a fresh run-<N> there).
+    resume: "latest" or a checkpoint directory to continue from. gradients: a gradient source in place of the config's
+    rule's (trainer2.learning.gradients). log: "quiet" (default) prints a one-line start (run directory, windows,
+    device), the one-line result at the end and any warnings; "verbose" also the resolved config, the data and
+    backends, checkpoints and notes; a function (print, a_list.append) is given every line but the start and end
+    ones. dist: the torchrun process group (default: one process). resume_hint: how a stopped run is continued, as
+    run.summary["resume_command"] says it (default: this Python call).
+
+    A stop signal (Ctrl-C) saves and returns (run.summary["interrupted"] names it, run.summary["resume_command"] says
+    how to continue, and that is also logged unless resume_hint is given); a divergence raises
     trainer2.running.health.Diverged; a bad config, data or checkpoint a ValueError (ConfigError, DataError,
-    CheckpointError, RunDirError) naming it."""
+    CheckpointError, RunDirError) naming it, as a `log` that is none of the above does."""
     check_arguments(cfg, data, resume)
+    out = RunLog.of(log)
     cfg = located(cfg, run_dir)
     dist = Distributed() if dist is None else dist
+    headline = out.headline if dist.is_main else None  # under torchrun, one start and end line: rank 0's
     target = Path(cfg.checkpoint_dir) / cfg.run_name
     hint = resume_hint or f"trainer2.train(cfg, data, run_dir={str(target)!r}, resume='latest')"
     if dist.is_main:
@@ -110,16 +121,18 @@ def train(
         elif dist.is_main:
             fresh_run_guard(target)
         if dist.is_main:
-            remove_orphans(target, log)
+            remove_orphans(target, out.notes)
         check_tracking(cfg)
-        trainer = Trainer(cfg, gradients, log, dist, data=data, resume_hint=hint)
+        trainer = Trainer(cfg, gradients, out.notes, dist, data=data, resume_hint=hint, headline=headline)
         if path is not None:
             trainer.load_checkpoint(path)
         summary = trainer.train()
     window = trainer.progress.window
     checkpoint = target / step_name(window)
     if summary["interrupted"] and resume_hint is None:  # the command line says it its own way
-        log(f"stopped by {summary['interrupted']} after window {window}; continue with {hint}")
+        (headline or out.notes)(f"stopped by {summary['interrupted']} after window {window}; continue with {hint}")
+    elif headline is not None and not summary["interrupted"]:
+        headline(done_line(summary))
     data = trainer.data
     model = Model(
         cfg,

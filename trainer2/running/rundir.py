@@ -277,6 +277,25 @@ def describe_holder(text: str) -> str:
         return "a process that has not yet written its pid"
 
 
+def lock_holder(run_dir: Path) -> str | None:
+    """'pid N on host H, since T' of the process holding run_dir's lock (a run going on), else None: no lock file, a
+    lock nobody holds, or no flock here. Probed with a shared lock, taken and dropped at once, which only a holder's
+    exclusive one refuses."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | NOFOLLOW)
+    except OSError:  # none, a link, unreadable: no run of this user holds it
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return describe_holder(os.read(fd, 512).decode("utf-8", "replace"))
+    finally:
+        os.close(fd)  # releases the probe's lock, if it got one
+    return None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this id runs on this host (another user's counts as alive)."""
     try:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from trainer2.data.dataset import encode
 from trainer2.flags import add_trust_flag, user_modules_from_cwd
+from trainer2.io.parser import Parser
 from trainer2.physics.relaxation import Relaxation
 from trainer2.running.model import WEIGHTS, WEIGHTS_HELP, load
 from trainer2.running.resume import add_checkpoint_flags, checkpoint_from
@@ -68,9 +69,8 @@ def generate(relax: Relaxation, vocab: list[str], prompt: str, length: int, temp
 
 
 def sample_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="trainer2 sample",
-        allow_abbrev=False,
         description="Generate text from a checkpoint: one free-phase relaxation per character, "
         "in the checkpoint's own vocabulary.",
     )

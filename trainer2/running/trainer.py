@@ -24,6 +24,7 @@ from trainer2.data.augment import shift_images, window_generator
 from trainer2.data.dataset import Dataset
 from trainer2.data.sampler import STATE_KEYS as SAMPLER_KEYS
 from trainer2.data.sampler import Sampler, sampler_state
+from trainer2.io.console import Log
 from trainer2.learning.averaging import average_keys
 from trainer2.learning.gradients import GradientSource
 from trainer2.learning.params import ParamTable
@@ -82,6 +83,25 @@ def total_windows(cfg: TrainConfig, batches_per_epoch: float) -> int:
     return min(limits)
 
 
+def start_line(run_dir: Path, window: int, total: int, device: torch.device) -> str:
+    """The one line a run from Python starts with: where it writes, which windows it trains, on which device."""
+    if window == 0:
+        return f"training {run_dir}: {total} windows on {device}"
+    return f"training {run_dir}: windows {window + 1} to {total} on {device} (resumed at window {window})"
+
+
+def announce(trainer: Trainer, total: int) -> None:
+    """Before the first window: the resolved config, the data, device and backends (the log's notes, which a quiet
+    run drops), then the one-line start (the headline, where there is one)."""
+    trainer.log("config:\n" + to_yaml(trainer.cfg).rstrip())
+    backends = {"window": trainer.relaxation.backend, "readout": trainer.relaxation.readout_backend}
+    trainer.log(run_header(trainer.data, trainer.device, trainer.average, **backends, update=trainer.updater.backend))
+    if trainer.kernel_note is not None:
+        trainer.log(trainer.kernel_note)
+    if trainer.headline is not None:
+        trainer.headline(start_line(trainer.run_dir, trainer.progress.window, total, trainer.device))
+
+
 class Trainer:
     """setup (in __init__) / train / evaluate; state_tensors, save_checkpoint and load_checkpoint for checkpoints.
     Evaluation and the run's model score `scored_machine`: the weight average when ema_decay > 0, else the machine."""
@@ -90,13 +110,14 @@ class Trainer:
         self,
         cfg: TrainConfig,
         gradients: GradientSource | None = None,
-        log=print,
+        log: Log = print,
         dist: Distributed | None = None,
         *,
         data: Dataset | None = None,
         resume_hint: str | None = None,
+        headline: Log | None = None,  # the one-line start (trainer2.train's own log); None: none, as on the CLI
     ) -> None:
-        self.cfg, self.log = cfg, log
+        self.cfg, self.log, self.headline = cfg, log, headline
         self.resume_hint = resume_command(cfg) if resume_hint is None else resume_hint  # summary.json's, when stopped
         self.dist = Distributed() if dist is None else dist  # one process unless torchrun started this one
         self.device = self.dist.place(resolve_device(cfg), cfg.device)
@@ -167,11 +188,7 @@ class Trainer:
         names the signal, summary["resume_command"] continues the run); a divergence stops it without saving, and
         raises Diverged."""
         total = total_windows(self.cfg, self.sampler.batches_per_epoch)
-        self.log("config:\n" + to_yaml(self.cfg).rstrip())
-        backends = {"window": self.relaxation.backend, "readout": self.relaxation.readout_backend}
-        self.log(run_header(self.data, self.device, self.average, **backends, update=self.updater.backend))
-        if self.kernel_note is not None:
-            self.log(self.kernel_note)
+        announce(self, total)
         if self.dist.is_main:
             claim(self.run_dir, self.run_id)
         state = LoopState(self.progress.window, total, eager=self.monitor.eager)
