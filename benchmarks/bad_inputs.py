@@ -259,23 +259,30 @@ def foreign(root: Path) -> None:
     shutil.copytree(root / "ck" / "src" / "step_00000010", d / "step_00000010")
 
 
+def hostile_checkpoint(root: Path) -> None:
+    """A finished run whose checkpoint's config was edited to name a module in the working directory that leaves a
+    file behind when imported: a file handed over is data, so nothing may import it without --trust_code."""
+    trained("hc")(root)
+    (root / "evil_mod.py").write_text(
+        "from pathlib import Path\nPath(__file__).with_name('imported.txt').write_text('imported')\n\nclass Thing:\n"
+        "    pass\n"
+    )
+    meta = root / "ck" / "hc" / "step_00000010" / "meta.json"
+    saved = json.loads(meta.read_text())
+    saved["config"]["rule"] = "evil_mod.Thing"
+    meta.write_text(json.dumps(saved))
+
+
+def not_imported(root: Path) -> str:
+    return "the checkpoint's module was imported" if (root / "imported.txt").exists() else ""
+
+
 def nested(root: Path) -> None:
-    """A second run's directory inside a finished run's (under a name that is not a checkpoint's: those are refused),
-    and a directory of the user's there named like a checkpoint."""
+    """A finished run with a directory of the user's in it named like a checkpoint (no sidecar: not the run's own).
+    A second run inside it is refused (its pruning would delete that run), so none is made here."""
     trained("outer")(root)
     (root / "ck" / "outer" / "step_00000001").mkdir()
     (root / "ck" / "outer" / "step_00000001" / "notes.txt").write_text("the user's\n")
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "main.py"),
-            *tiny("--max_windows", "5", "--checkpoint_dir", "ck/outer", run="inner"),
-        ],
-        cwd=root,
-        env=child_env({}),
-        capture_output=True,
-        check=True,
-    )
 
 
 def odd_telemetry(root: Path) -> None:
@@ -405,7 +412,7 @@ def cases() -> list[Case]:
         Case("--run_name .lock", tiny(run=".lock"), {2}),
         Case("--run_name ../x", tiny(run="../x"), {2}),
         Case("--checkpoint_dir ''", [*tiny(run="e"), "--checkpoint_dir", ""], {2}),
-        Case("--checkpoint_dir (a file)", [*tiny(run="e"), "--checkpoint_dir", "not_a_dir"], {74}),
+        Case("--checkpoint_dir (a file)", [*tiny(run="e"), "--checkpoint_dir", "not_a_dir"], {2}),
         Case("planted .lock symlink", tiny(run="l1"), {2}, setup=planted("l1", ".lock")),
         Case("planted .summary.json.tmp symlink", tiny(run="l2"), {0}, setup=planted("l2", ".summary.json.tmp")),
         Case("planted .config.yaml.tmp symlink", tiny(run="l3"), {0}, setup=planted("l3", ".config.yaml.tmp")),
@@ -440,7 +447,35 @@ def cases() -> list[Case]:
             ],
             {0},
             setup=nested,
-            check=intact("ck/outer/inner/step_00000005", "ck/outer/step_00000001/notes.txt"),
+            check=intact("ck/outer/step_00000001/notes.txt"),
+        ),
+        Case(
+            "evaluate a checkpoint naming code",
+            ["evaluate", "--checkpoint", "ck/hc/step_00000010"],
+            {2},
+            setup=hostile_checkpoint,
+            check=not_imported,
+            says="--trust_code",
+        ),
+        Case(
+            "resume a checkpoint naming code",
+            ["--resume", "ck/hc/step_00000010", "--max_windows", "12"],
+            {2},
+            setup=hostile_checkpoint,
+            check=not_imported,
+            says="--trust_code",
+        ),
+        Case(
+            "a run inside another run",
+            tiny("--max_windows", "5", "--checkpoint_dir", "ck/outer", run="inner"),
+            {2},
+            setup=trained("outer"),
+        ),
+        Case(
+            "a run inside another run's checkpoint",
+            tiny("--max_windows", "5", "--checkpoint_dir", "ck/outer/step_00000010", run="inner"),
+            {2},
+            setup=trained("outer"),
         ),
         Case(
             "a moved data file",
@@ -486,7 +521,9 @@ def cases() -> list[Case]:
             {2},
             env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"},
         ),
-        Case("plot on odd telemetry", ["plot", "ck/odd"], {0}, setup=odd_telemetry),
+        Case(  # no row holds a number a plot can take: refused, naming the file, rather than empty plots written
+            "plot on odd telemetry", ["plot", "ck/odd"], {2}, setup=odd_telemetry, says="no metric to plot"
+        ),
         Case(
             "sample at temperature 1e-320",
             ["sample", "--checkpoint", "ck/smp/step_00000010", "--temperature", "1e-320", "--length", "5"],
@@ -691,14 +728,14 @@ def limit_memory() -> None:
 
 
 def outside_runs(root: Path) -> dict[str, str]:
-    """sha256 of every file of the sandbox that is not inside a run directory (ck/<run>/...) nor a FIFO, nor the token
-    cache a text file gets beside it on its first run (by design: docs/long-runs.md)."""
+    """sha256 of every file of the sandbox that is not inside a run directory (ck/<run>/...) nor a FIFO (the token
+    cache lives under $XDG_CACHE_HOME, outside the sandbox: nothing may appear beside a data file)."""
     out = {}
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root)
         if rel.parts[0] == "ck" and len(rel.parts) > 2:
             continue
-        if p.is_symlink() or not p.is_file() or p.name.endswith((".trainer2-tokens", ".trainer2-tokens.lock")):
+        if p.is_symlink() or not p.is_file():
             continue
         out[str(rel)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
@@ -826,6 +863,7 @@ def main() -> int:
     )
     args = p.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="trainer2-inputs-"))
+    os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="trainer2-cache-"))  # not the real home's cache
     root.mkdir(parents=True, exist_ok=True)
     sandbox(root)
     results = []
