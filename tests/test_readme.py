@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MAX_README_BYTES = 15_000
 PYTHON = {"python", "python3"}
-CONFIG_PROGS = {"trainer2", "trainer2 bench"}  # parsers whose namespace layers into a TrainConfig
+CONFIG_PROGS = {"trainer2", "trainer2 bench", "trainer2 sweep"}  # parsers whose namespace layers into a TrainConfig
 Patch = pytest.MonkeyPatch
 Capture = pytest.CaptureFixture[str]
 
@@ -280,6 +280,7 @@ def known_flags(monkeypatch: Patch, capsys: Capture) -> set[str]:
         ["sample", "--checkpoint", "c"],
         ["bench"],
         ["plot", "run"],
+        ["sweep", "--space", "s.yaml"],
     ):
         parsed = parse_only(lambda: cli.main(argv), monkeypatch, capsys)
         assert isinstance(parsed, Parsed), parsed

@@ -6,6 +6,7 @@
     run = trainer2.train(cfg, data, run_dir="runs/a")           # -> Run: run.model, run.summary, run.checkpoint
     pred = run.model.predict(x_test)                            # class ids; predict_proba(x), evaluate(data)
     model = trainer2.load(run.checkpoint)                       # the same predictions as run.model
+    best = trainer2.sweep("space.yaml", "dev", data, trials=20)  # Optuna over the space's fields (the sweep extra)
 
 Couplings are components: trainer2.Dense and trainer2.Conv are the built-in ones, and a class of your own (written to
 the trainer2.Coupling protocol, most simply a subclass of one of them) is named in `layers` by its dotted path.
@@ -21,6 +22,7 @@ from trainer2.running.health import Diverged
 from trainer2.running.model import Model, load
 from trainer2.running.run import Run, train
 from trainer2.running.rundir import RunDirError
+from trainer2.running.sweep import sweep
 from trainer2.section import ConfigError
 from trainer2.train_config import TrainConfig
 
@@ -43,5 +45,6 @@ __all__ = [
     "config",
     "from_arrays",
     "load",
+    "sweep",
     "train",
 ]

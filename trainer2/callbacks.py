@@ -14,11 +14,13 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Stop:
-    """Why a run ends before its last window: a stop signal's name, or a divergence (what happened, and the last
-    window whose checkpoint is still good)."""
+    """Why a run ends before its last window: a stop signal's name, a divergence (what happened, and the last
+    window whose checkpoint is still good), or a callback's own reason (a sweep's pruner: "pruned"). A stop for a
+    signal or a reason saves a checkpoint and ends the run with summary["interrupted"] naming it."""
 
     signal: str | None = None
     diverged: tuple[str, int] | None = None
+    reason: str | None = None
 
 
 @dataclass

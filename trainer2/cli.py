@@ -1,6 +1,7 @@
 """Command line: `trainer2 [train] [--preset NAME] [--config FILE] [--FIELD VALUE ...]`.
 
-Every TrainConfig field is a flag of the same name (trainer2.flags); subcommands evaluate, sample, plot and bench.
+Every TrainConfig field is a flag of the same name (trainer2.flags); subcommands evaluate, sample, plot, bench and
+sweep.
 Exit status: 0 done; 2 refused (a bad flag, config, data file or checkpoint; a run directory in use or holding
 another run; sizes that cannot fit); 3 the run diverged; 74 a file could not be written (disk full, read-only, a
 planted symlink); 129 / 130 / 131 / 143 / 138 / 140 stopped by SIGHUP / SIGINT / SIGQUIT / SIGTERM / SIGUSR1 /
@@ -57,6 +58,7 @@ COMMAND_HELP = {
     "sample": "generate text from a checkpoint",
     "plot": "write PNG curves of a run from its telemetry.jsonl",
     "bench": "time the batch step: eager, CUDA graph, torch.compile and the Triton kernels",
+    "sweep": "search config fields with Optuna, one run per trial (the sweep extra)",
 }
 
 
@@ -158,6 +160,12 @@ def cmd_bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def cmd_sweep(argv: list[str]) -> int:
+    from trainer2.running.sweep_cli import cmd_sweep as run
+
+    return run(argv)
+
+
 def cmd_sample(argv: list[str]) -> int:
     from trainer2.running.sampling import cmd_sample as run
 
@@ -212,6 +220,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "plot": cmd_plot,
     "sample": cmd_sample,
     "bench": cmd_bench,
+    "sweep": cmd_sweep,
 }
 
 

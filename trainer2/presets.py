@@ -103,6 +103,19 @@ def preset_path(name: str) -> Path | Traversable:
 
 def read_yaml(path: Path | Traversable) -> dict[str, Any]:
     """A YAML mapping of config fields (and maybe `base`); unknown keys are refused here, naming the file."""
+    data = read_mapping(path)
+    unknown = sorted(set(data) - accepted_keys() - {BASE}, key=str)
+    if unknown:
+        raise ConfigError(
+            f"config file {path}: unknown key(s) {short_repr(unknown)}; every key must be a TrainConfig field "
+            "(see --help)"
+        )
+    return data
+
+
+def read_mapping(path: Path | Traversable) -> dict[str, Any]:
+    """A YAML file's mapping, read as strictly as a config file (size cap, no aliases, unique keys, 1e-3 a float);
+    its keys are the caller's to check."""
     try:
         if path.is_dir():
             raise ConfigError(f"config file {path} is a directory; expected a YAML file of field: value lines")
@@ -133,12 +146,6 @@ def read_yaml(path: Path | Traversable) -> dict[str, Any]:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of field: value, got {type(data).__name__}")
-    unknown = sorted(set(data) - accepted_keys() - {BASE}, key=str)
-    if unknown:
-        raise ConfigError(
-            f"config file {path}: unknown key(s) {short_repr(unknown)}; every key must be a TrainConfig field "
-            "(see --help)"
-        )
     return data
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from trainer2.callbacks import Callback
 from trainer2.data.dataset import DataError, Dataset, InputSpec
 from trainer2.io.console import LogChoice, RunLog
 from trainer2.learning.gradients import GradientSource
@@ -87,6 +89,7 @@ def train(
     log: LogChoice = "quiet",
     dist: Distributed | None = None,
     resume_hint: str | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> Run:
     """Train a machine on `data` and return the Run.
 
@@ -97,7 +100,9 @@ def train(
     device), the one-line result at the end and any warnings; "verbose" also the resolved config, the data and
     backends, checkpoints and notes; a function (print, a_list.append) is given every line but the start and end
     ones. dist: the torchrun process group (default: one process). resume_hint: how a stopped run is continued, as
-    run.summary["resume_command"] says it (default: this Python call).
+    run.summary["resume_command"] says it (default: this Python call). callbacks: trainer2.callbacks.Callback objects
+    called after the trainer's own at every hook (on_log sees each log row, validation_* and heldout_* at
+    evaluations); one that sets state.stop = Stop(reason=...) ends the run saved, with summary["interrupted"] = reason.
 
     A stop signal (Ctrl-C) saves and returns (run.summary["interrupted"] names it, run.summary["resume_command"] says
     how to continue, and that is also logged unless resume_hint is given); a divergence raises
@@ -123,7 +128,9 @@ def train(
         if dist.is_main:
             remove_orphans(target, out.notes)
         check_tracking(cfg)
-        trainer = Trainer(cfg, gradients, out.notes, dist, data=data, resume_hint=hint, headline=headline)
+        trainer = Trainer(
+            cfg, gradients, out.notes, dist, data=data, resume_hint=hint, headline=headline, callbacks=tuple(callbacks)
+        )
         if path is not None:
             trainer.load_checkpoint(path)
         summary = trainer.train()

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from torch import Tensor
 
-from trainer2.callbacks import Callbacks, LoopState
+from trainer2.callbacks import Callback, Callbacks, LoopState
 from trainer2.data.augment import shift_images, window_generator
 from trainer2.data.dataset import Dataset
 from trainer2.data.sampler import STATE_KEYS as SAMPLER_KEYS
@@ -116,6 +116,7 @@ class Trainer:
         data: Dataset | None = None,
         resume_hint: str | None = None,
         headline: Log | None = None,  # the one-line start (trainer2.train's own log); None: none, as on the CLI
+        callbacks: tuple[Callback, ...] = (),  # the caller's own, called after the trainer's at every hook
     ) -> None:
         self.cfg, self.log, self.headline = cfg, log, headline
         self.resume_hint = resume_command(cfg) if resume_hint is None else resume_hint  # summary.json's, when stopped
@@ -153,7 +154,7 @@ class Trainer:
         # before the checkpointer (which saves at the window a stop was asked for), the monitor's record last.
         tuners = thread_tuners(cfg.cpu_threads, all_cpu_threads(), self.device.type, log)  # cpu_threads 0: measured
         stop = SignalStop(self.signals, self.dist, self.device)
-        self.callbacks = Callbacks((*tuners, bar, health, stop, saver, self.monitor))
+        self.callbacks = Callbacks((*tuners, bar, health, stop, saver, self.monitor, *callbacks))
 
     # --- the wired parts, by name (read-only: Parts is frozen, and these properties have no setter) ---
 
@@ -204,7 +205,7 @@ class Trainer:
                 raise Diverged(message)
             if self.progress.window != self.saved_at:
                 self.save_checkpoint()
-            stopped = state.stop.signal if state.stop is not None and not state.done else None
+            stopped = (state.stop.signal or state.stop.reason) if state.stop is not None and not state.done else None
             return self.save_summary(interrupted=stopped)
 
     def run_windows(self, state: LoopState) -> None:

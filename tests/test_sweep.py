@@ -1,0 +1,206 @@
+"""`trainer2 sweep` and `trainer2.sweep` (issue 60): trials are ordinary runs, results a person can read, a study that
+resumes, refusals by name before any trial, failed and pruned trials recorded, several workers on one study, and a
+worker killed mid-trial accounted for. Tiny feature data and 9-12 windows a trial."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from pg import postgres_server, postgres_url  # noqa: F401
+
+import trainer2
+from trainer2.cli import main
+
+optuna = pytest.importorskip("optuna", reason='the sweep extra is not installed (pip install -e ".[sweep]")')
+
+TRIAL_FLAGS = [
+    "--preset", "dev", "--data", "f.npz", "--batch_size", "16", "--eval_batches", "1", "--coord_dim_n", "4",
+    "--layers", "dense:8", "--max_windows", "9", "--eval_every_windows", "3", "--log_every_windows", "3",
+    "--validation_fraction", "0.2", "--lr_warmup_windows", "0", "--ema_decay", "0", "--update_rule", "momentum",
+]  # fmt: skip
+SPACE = "eta_update: {low: 1.0e-3, high: 1.0e-1, log: true}\nfree_steps: {low: 3, high: 8}\n"
+
+
+@pytest.fixture()
+def here(tmp_path, monkeypatch):
+    """tmp_path as the working directory, holding f.npz (3 classes of 6 features) and space.yaml."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, size=200)
+    x = (rng.normal(size=(3, 6))[y] * 2 + rng.normal(size=(200, 6))).astype(np.float32)
+    np.savez(tmp_path / "f.npz", x=x, y=y)
+    (tmp_path / "space.yaml").write_text(SPACE)
+    return tmp_path
+
+
+def sweep_args(*extra: str, space: str = "space.yaml", trials: int = 4) -> list[str]:
+    return ["sweep", "--space", space, "--trials", str(trials), *TRIAL_FLAGS, *extra]
+
+
+def study_of(folder: Path, storage: str | None = None):
+    url = storage or f"sqlite:///{folder / 'study.db'}"
+    return optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
+
+
+def counted(study) -> int:
+    """Finished trials as the docs count them: COMPLETE, PRUNED, and FAIL unless retried."""
+    trials = study.get_trials()
+    retried = {t.user_attrs.get("retry_of") for t in trials}
+    return sum(t.state.is_finished() and t.number not in retried for t in trials)
+
+
+def test_a_sweep_runs_ordinary_trials_writes_its_results_and_resumes(here, capsys):
+    assert main(sweep_args("--pruner", "none")) == 0
+    out = capsys.readouterr().out
+    folder = here / "checkpoints/sweeps/dev-space"
+    for n in range(4):  # each trial is a run folder that every tool reads
+        assert {"config.yaml", "summary.json", "telemetry.jsonl"} <= {p.name for p in (folder / f"trial-{n}").iterdir()}
+    rows = list(csv.DictReader(open(folder / "trials.csv")))
+    assert [r["state"] for r in rows] == ["COMPLETE"] * 4
+    values = [float(r["value"]) for r in rows]
+    assert values == sorted(values, reverse=True)  # accuracy: best (highest) first
+    assert set(rows[0]) >= {"number", "value", "state", "eta_update", "free_steps", "windows", "seconds"}
+    study = study_of(folder)
+    assert study.best_value == values[0] and rows[0]["windows"] == "9"
+    assert "held-out acc" in out and "wall time" in out
+    best = yaml.safe_load((folder / "best.yaml").read_text())
+    assert best["base"] == "dev" and best["eta_update"] == study.best_params["eta_update"] and "run_name" not in best
+    assert main(["--preset", str(folder / "best.yaml"), "--print_config"]) == 0  # a preset that runs as is
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra
+        assert {"history.png", "slice.png"} <= {p.name for p in (folder / "plots").iterdir()}
+    capsys.readouterr()
+    assert main(sweep_args("--pruner", "none")) == 0  # the same command again: the study has its 4 finished trials
+    assert len(study_of(folder).trials) == 4 and "trial 4" not in capsys.readouterr().out
+    assert main(sweep_args("--pruner", "none", trials=6)) == 0  # --trials counts finished trials
+    assert len(study_of(folder).trials) == 6 and (folder / "trial-5/summary.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "space, extra, named",
+    [
+        ("eta_updte: {low: 0.001, high: 0.1}\n", [], "'eta_updte' is not a config field"),
+        ("free_steps: {low: 8, high: 8}\n", [], "free_steps: empty range"),
+        ("eta_update: {low: 1.0e-6, high: 10.0, log: true}\n", [], "eta_update: the config refuses 10.0"),
+        ("relaxation: {choices: [jacobi, diagonal]}\n", [], "relaxation: the config refuses 'diagonal'"),
+        ("validation_fraction: {low: 0.1, high: 0.3}\n", [], "validation_fraction cannot be swept"),
+        (SPACE, ["--storage", "postgresql://x@127.0.0.1:1/db"], "--storage postgresql://x@127.0.0.1:1/db"),
+        (SPACE, ["--validation_fraction", "0"], "--validation_fraction > 0"),
+    ],
+)
+def test_bad_input_is_refused_by_name_before_any_trial(here, capsys, space, extra, named):
+    (here / "bad.yaml").write_text(space)
+    assert main(sweep_args(*extra, space="bad.yaml")) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not list(here.glob("checkpoints/**/trial-*"))
+
+
+def test_a_diverging_trial_is_failed_with_its_reason_and_the_sweep_goes_on(here, capsys):
+    (here / "wild.yaml").write_text("eta_update: {choices: [1.0, 0.05]}\n")
+    assert main(sweep_args("--pruner", "none", space="wild.yaml", trials=5)) == 0
+    trials = study_of(here / "checkpoints/sweeps/dev-wild").trials
+    failed = [t for t in trials if t.state.name == "FAIL"]
+    assert failed and all(t.params["eta_update"] == 1.0 and "diverged" in t.user_attrs["reason"] for t in failed)
+    assert any(t.state.name == "COMPLETE" for t in trials) and len(trials) == 5
+    rows = list(csv.DictReader(open(here / "checkpoints/sweeps/dev-wild/trials.csv")))
+    assert rows[0]["state"] == "COMPLETE" and "diverged" in rows[-1]["reason"]
+
+
+def test_the_pruner_stops_hopeless_trials_at_an_evaluation(here, capsys):
+    (here / "poor.yaml").write_text("eta_update: {choices: [0.05, 1.0e-6]}\n")
+    args = sweep_args("--max_windows", "12", space="poor.yaml", trials=6)
+    assert main(args) == 0
+    trials = study_of(here / "checkpoints/sweeps/dev-poor").trials
+    pruned = [t for t in trials if t.state.name == "PRUNED"]
+    assert pruned and all(t.user_attrs["windows"] < 12 for t in pruned)
+    for t in pruned:  # stopped saved, as a run stopped by a signal is
+        summary = yaml.safe_load((here / f"checkpoints/sweeps/dev-poor/trial-{t.number}/summary.json").read_text())
+        assert summary["interrupted"] == "pruned"
+    assert "best: trial" in capsys.readouterr().out
+
+
+def test_sweep_from_python(here):
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 3, size=150)
+    x = (rng.normal(size=(3, 5))[y] * 2 + rng.normal(size=(150, 5))).astype(np.float32)
+    data = trainer2.from_arrays(x, y)
+    fields = dict(batch_size=16, eval_batches=1, coord_dim_n=4, layers=[{"dense": 8}], max_windows=6)
+    space = {"eta_update": {"low": 0.01, "high": 0.1, "log": True}}
+    lines: list[str] = []
+    result = trainer2.sweep(space, "dev", data, trials=2, sweep_dir=here / "s", log=lines.append, **fields)
+    assert result["best_trial"] in (0, 1) and set(result["heldout"]) >= {"heldout_acc", "heldout_loss"}
+    assert any("validation_fraction" in line for line in lines)  # the default split is said
+    assert (here / "s/trial-1/summary.json").is_file()
+
+
+def run_workers(here: Path, storage: str | None, trials: int = 4) -> Path:
+    extra = ["--storage", storage] if storage else []
+    args = sweep_args("--workers", "2", "--max_windows", "30", "--pruner", "none", *extra, trials=trials)
+    done = subprocess.run([sys.executable, "-m", "trainer2", *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return here / "checkpoints/sweeps/dev-space"
+
+
+def assert_distinct_trials(folder: Path, study, trials: int) -> None:
+    finished = study.get_trials()
+    assert sorted(t.number for t in finished) == list(range(trials)) and counted(study) == trials
+    for t in finished:  # each trial ran once, in its own folder, with its own values
+        assert t.state.name == "COMPLETE"
+        cfg = yaml.safe_load((folder / f"trial-{t.number}/config.yaml").read_text())
+        assert cfg["eta_update"] == t.params["eta_update"]
+        assert sum(1 for _ in open(folder / f"trial-{t.number}/telemetry.jsonl")) == 10  # windows 3..30, once each
+    assert len({t.params["eta_update"] for t in finished}) == trials
+
+
+def test_two_workers_share_one_sqlite_study(here):
+    folder = run_workers(here, None)
+    assert_distinct_trials(folder, study_of(folder), 4)
+
+
+def test_two_workers_share_one_postgresql_study(here, postgres_url):  # noqa: F811
+    folder = run_workers(here, postgres_url)
+    assert_distinct_trials(folder, study_of(folder, postgres_url), 4)
+
+
+def test_a_worker_killed_mid_trial_is_retried_once_from_its_checkpoint(here):
+    args = [sys.executable, "-m", "trainer2", *sweep_args("--max_windows", "300", "--save_every_windows", "5",
+            "--eval_every_windows", "100", "--pruner", "none", trials=3)]  # fmt: skip
+    worker = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    folder = here / "checkpoints/sweeps/dev-space"
+    killed = None
+    while killed is None:  # freeze the worker; kill it only inside a trial that has saved a checkpoint
+        assert worker.poll() is None, "the sweep ended before it could be killed mid-trial"
+        time.sleep(0.05)
+        os.kill(worker.pid, signal.SIGSTOP)
+        going = [p for p in folder.glob("trial-*") if list(p.glob("step_*")) and not (p / "summary.json").exists()]
+        if going:
+            killed = int(going[0].name.removeprefix("trial-"))
+            saved = sorted(p.name for p in going[0].glob("step_*"))
+            worker.kill()
+        else:
+            os.kill(worker.pid, signal.SIGCONT)
+    worker.wait()
+    again = subprocess.run(args, capture_output=True, text=True, timeout=600)  # the same command again
+    assert again.returncode == 0, again.stderr
+    study = study_of(folder)
+    assert counted(study) == 3
+    dead = study.trials[killed]
+    assert dead.state.name == "FAIL" and "died mid-trial" in dead.user_attrs["reason"]
+    (retry,) = [t for t in study.trials if t.user_attrs.get("retry_of") == killed]
+    assert retry.state.name == "COMPLETE" and retry.params == dead.params and retry.user_attrs["windows"] == 300
+    assert sorted(p.name for p in (folder / f"trial-{killed}").glob("step_*")) == saved  # left as it was
+    telemetry = (folder / f"trial-{retry.number}/telemetry.jsonl").read_text().splitlines()
+    first = int(saved[-1].removeprefix("step_"))
+    assert yaml.safe_load(telemetry[0])["window"] > first  # it continued from the killed trial's checkpoint
+    assert f"retried as trial {retry.number}" in (folder / "trials.csv").read_text()
