@@ -106,6 +106,18 @@ def test_bad_input_is_refused_by_name_before_any_trial(here, capsys, space, extr
     assert not list(here.glob("checkpoints/**/trial-*"))
 
 
+def test_a_space_naming_code_needs_consent_and_imports_nothing(here, capsys, monkeypatch):
+    """The space file (and the study holding its values) may have been handed over: a dotted name among its choices is
+    data, refused before any trial unless --trust_code, and its module is never imported."""
+    (here / "evil_space.py").write_text("from pathlib import Path\nPath('imported.txt').write_text('imported')\n")
+    monkeypatch.syspath_prepend(str(here))  # importable: only the trust boundary stands between it and the import
+    (here / "coded.yaml").write_text("rule: {choices: [ep, evil_space.Rule]}\n")
+    assert main(sweep_args(space="coded.yaml")) == 2
+    err = capsys.readouterr().err
+    assert "evil_space.Rule" in err and "--trust_code" in err and "Traceback" not in err
+    assert not (here / "imported.txt").exists() and not list(here.glob("checkpoints/**/trial-*"))
+
+
 def test_a_diverging_trial_is_failed_with_its_reason_and_the_sweep_goes_on(here, capsys):
     (here / "wild.yaml").write_text("eta_update: {choices: [1.0, 0.05]}\n")
     assert main(sweep_args("--pruner", "none", space="wild.yaml", trials=5)) == 0

@@ -27,7 +27,7 @@ from trainer2.running.run import train
 from trainer2.running.rundir import RunDirError
 from trainer2.running.signals import StopSignals
 from trainer2.running.sweep_results import table, trial_rows, write_best, write_csv, write_plots
-from trainer2.running.sweep_space import Param, check_space, fields_of, read_space
+from trainer2.running.sweep_space import Param, check_space, read_space, trial_config
 from trainer2.running.sweep_study import (
     ask_lock,
     fail_stale,
@@ -179,7 +179,7 @@ def run_trial(p: Plan, study: Any, storage: Any, trial: Any, signals: StopSignal
         log(f"trial {trial.number}: failed: {reason}")
 
     try:
-        cfg = build_config([*p.layers, ("arguments", fields_of(values, p.base))], p.trust_code)
+        cfg = trial_config(p.layers, values, p.base, p.trust_code)
         with heartbeat(storage, study, trial.number):
             run = train(
                 cfg,
@@ -254,7 +254,7 @@ def report(p: Plan, study: Any, wall: float, log: Log) -> dict[str, Any]:
         return {"rows": rows}
     number = best["number"]
     values = {q.name: best[q.name] for q in p.params}
-    cfg = build_config([*p.layers, ("arguments", fields_of(values, p.base))], p.trust_code)
+    cfg = trial_config(p.layers, values, p.base, p.trust_code)
     preset_base = build_config(yaml_layers(p.preset), p.trust_code) if p.preset else TrainConfig()
     write_best(p.sweep_dir / "best.yaml", cfg, preset_base, p.preset)
     write_plots(study, p.sweep_dir / "plots", log)

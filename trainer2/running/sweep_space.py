@@ -144,13 +144,23 @@ def fields_of(values: dict[str, Any], base: TrainConfig) -> dict[str, Any]:
     return out
 
 
+# The values a trial takes come from files: the space file and the study's storage (shared with other workers). A
+# layer from this source is a file's, so code it names is imported only with --trust_code (train_config.build_config).
+TRIAL_SOURCE = "the sweep's space file and study"
+
+
+def trial_config(layers: Layers, values: dict[str, Any], base: TrainConfig, trust_code: bool) -> TrainConfig:
+    """The config of a trial taking `values` (swept field -> value) over the sweep's own layers."""
+    return build_config([*layers, (TRIAL_SOURCE, fields_of(values, base))], trust_code)
+
+
 def check_space(params: list[Param], layers: Layers, base: TrainConfig, trust_code: bool, where: str) -> None:
     """Refuse, by name, a range end or choice the config refuses (with the config's own message)."""
     for p in params:
         for value in p.edges():
             v = int(value) if p.kind == "int" else value
             try:
-                build_config([*layers, ("arguments", fields_of({p.name: v}, base))], trust_code)
+                trial_config(layers, {p.name: v}, base, trust_code)
             except ConfigError as e:
                 why = str(e).removeprefix("invalid config:").strip()
                 raise ConfigError(f"{where}: {p.name}: the config refuses {short_repr(v)}: {why}") from None
