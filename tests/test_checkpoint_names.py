@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from tiny import clustered
 
 import trainer2
 from trainer2.cli import main
@@ -31,9 +32,7 @@ def runs(tmp_path, monkeypatch):
     """Two runs of feature data under tmp_path/checkpoints: a (windows 2 and 4) and then b (window 2)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TQDM_DISABLE", "1")
-    rng = np.random.default_rng(0)
-    y = rng.integers(0, 3, size=96)
-    x = (rng.normal(size=(3, 6))[y] + rng.normal(size=(96, 6))).astype(np.float32)
+    x, y = clustered(96)
     np.savez(tmp_path / "f.npz", x=x, y=y)
     for name, windows in (("a", "4"), ("b", "2")):
         args = [*FLAGS, "--data", "f.npz", "--run_name", name, "--max_windows", windows, "--save_every_windows", "2"]

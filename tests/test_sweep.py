@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import yaml
 from pg import postgres_server, postgres_url  # noqa: F401
+from tiny import clustered
 
 import trainer2
 from trainer2.cli import main
@@ -36,9 +37,7 @@ def here(tmp_path, monkeypatch):
     """tmp_path as the working directory, holding f.npz (3 classes of 6 features) and space.yaml."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TQDM_DISABLE", "1")
-    rng = np.random.default_rng(0)
-    y = rng.integers(0, 3, size=200)
-    x = (rng.normal(size=(3, 6))[y] * 2 + rng.normal(size=(200, 6))).astype(np.float32)
+    x, y = clustered(200, spread=2)
     np.savez(tmp_path / "f.npz", x=x, y=y)
     (tmp_path / "space.yaml").write_text(SPACE)
     return tmp_path
@@ -143,10 +142,7 @@ def test_the_pruner_stops_hopeless_trials_at_an_evaluation(here, capsys):
 
 
 def test_sweep_from_python(here):
-    rng = np.random.default_rng(1)
-    y = rng.integers(0, 3, size=150)
-    x = (rng.normal(size=(3, 5))[y] * 2 + rng.normal(size=(150, 5))).astype(np.float32)
-    data = trainer2.from_arrays(x, y)
+    data = trainer2.from_arrays(*clustered(150, dim=5, spread=2, seed=1))
     fields = dict(batch_size=16, eval_batches=1, coord_dim_n=4, layers=[{"dense": 8}], max_windows=6)
     space = {"eta_update": {"low": 0.01, "high": 0.1, "log": True}}
     lines: list[str] = []

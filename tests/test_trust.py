@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
+from test_library import MY_COUPLINGS  # a dense layer twice as wide as its spec says
+from tiny import clustered
 
 import trainer2
 from trainer2.components import UntrustedCodeError, named_components
@@ -30,10 +31,7 @@ def hostile(marker: Path) -> str:
 
 
 def features(n: int = 64) -> trainer2.Dataset:
-    rng = np.random.default_rng(0)
-    y = rng.integers(0, 3, size=n)
-    x = (rng.normal(size=(3, 6))[y] + rng.normal(size=(n, 6))).astype(np.float32)
-    return trainer2.from_arrays(x, y, heldout_fraction=0.25)
+    return trainer2.from_arrays(*clustered(n), heldout_fraction=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -158,19 +156,6 @@ def test_a_yaml_file_naming_code_needs_consent(tmp_path, monkeypatch):
     with pytest.raises(trainer2.ConfigError, match="is not a coupling"):
         trainer2.config(str(tmp_path / "child.yaml"), trust_code=True)
     assert marker.exists()
-
-
-MY_COUPLINGS = '''
-import trainer2
-
-
-class WideDense(trainer2.Dense):
-    """A dense layer twice as wide as its spec says."""
-
-    @staticmethod
-    def spec_size(spec, below=None):
-        return (2 * trainer2.Dense.spec_size(spec, below)[0],)
-'''
 
 
 def test_the_users_own_coupling_runs_and_resumes_with_its_name_or_consent(tmp_path, monkeypatch):

@@ -6,27 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_csv_data import TINY  # the same tiny machine as the CSV tests'
 
 from trainer2.cli import main
-
-TINY = [
-    "--hidden_sizes",
-    "8",
-    "--coord_dim_n",
-    "4",
-    "--rotor_k",
-    "4",
-    "--batch_size",
-    "8",
-    "--free_steps",
-    "6",
-    "--nudge_steps",
-    "3",
-    "--max_windows",
-    "2",
-    "--log_every_windows",
-    "1",
-]
 
 
 def listing(folder: Path) -> dict[str, tuple[int, int, int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from trainer2.physics.machine import Machine, build_machine
@@ -45,3 +46,11 @@ def tiny_batch(cfg: TrainConfig, num_classes: int = 7, seed: int = 1) -> tuple[t
     gen = torch.Generator().manual_seed(seed)
     inputs = torch.randint(0, num_classes, (cfg.batch_size, cfg.context_len), generator=gen)
     return inputs, torch.randint(0, num_classes, (cfg.batch_size,), generator=gen)
+
+
+def clustered(n: int, dim: int = 6, spread: float = 1.0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Feature rows [n, dim] (float32) around 3 random centres scaled by `spread`, unit noise, and their labels [n]."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, size=n)
+    x = (rng.normal(size=(3, dim))[y] * spread + rng.normal(size=(n, dim))).astype(np.float32)
+    return x, y
