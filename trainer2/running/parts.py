@@ -17,6 +17,7 @@ from trainer2.learning.subnormals import flush_denormal
 from trainer2.physics.machine import Machine, MachineConfig, build_machine
 from trainer2.physics.memory import MemoryBank
 from trainer2.running.sizes import check_sizes
+from trainer2.running.threads import usable_cores
 from trainer2.train_config import ConfigError, TrainConfig
 
 
@@ -36,7 +37,7 @@ def all_cpu_threads() -> int:
     omp = os.environ.get("OMP_NUM_THREADS", "")
     if omp.isdigit() and int(omp) > 0:
         return int(omp)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable_cores()
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
