@@ -16,27 +16,45 @@ from trainer2.physics.readout import rotor_layers, rotor_matrix
 
 
 def leapfrog_step(
-    s: list[Tensor], p: list[Tensor], force: list[Tensor], dt: float, gamma: float, mass: float
+    s: list[Tensor],
+    p: list[Tensor],
+    force: list[Tensor],
+    dt: float,
+    gamma: float,
+    mass: float,
+    boxes: tuple[tuple[float, float], ...] | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    """One damped-leapfrog step of (positions, momenta) under `force`, the hidden layers boxed to [0, 1], q free."""
+    """One damped-leapfrog step of (positions, momenta) under `force`, the hidden layers boxed (to [0, 1], or each to
+    its own box of a graph's `boxes`), q free."""
     p = [(1 - gamma * dt) * pi + dt * fi for pi, fi in zip(p, force)]
     s = [si + dt * pi / mass for si, pi in zip(s, p)]
-    return [si.clamp(0.0, 1.0) if i < len(s) - 1 else si for i, si in enumerate(s)], p
+    boxes = boxes or ((0.0, 1.0),) * (len(s) - 1)
+    return [si.clamp(*boxes[i]) if i < len(s) - 1 else si for i, si in enumerate(s)], p
 
 
-def groups(layers: int, order: str) -> list[list[int]]:
+def groups(layers: int, order: str, colouring: tuple[tuple[int, ...], ...] | None = None) -> list[list[int]]:
     """The layers each part of a step moves: all at once (jacobi), or the odd layers h_1, h_3, ... (list indices 0, 2,
-    ...) and then the even ones (even_odd)."""
+    ...) and then the even ones (even_odd; a graph's colour groups, written here independently of the trainer's
+    steps, when `colouring` is given)."""
     if order == "jacobi":
         return [list(range(layers))]
+    if colouring is not None:
+        return [list(group) for group in colouring]
     return [list(range(0, layers, 2)), list(range(1, layers, 2))]
 
 
 def partial_step(
-    s: list[Tensor], p: list[Tensor], force: list[Tensor], dt: float, gamma: float, mass: float, group: list[int]
+    s: list[Tensor],
+    p: list[Tensor],
+    force: list[Tensor],
+    dt: float,
+    gamma: float,
+    mass: float,
+    group: list[int],
+    boxes: tuple[tuple[float, float], ...] | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """leapfrog_step for the layers in `group`; the others keep their positions and momenta."""
-    s_new, p_new = leapfrog_step(s, p, force, dt, gamma, mass)
+    s_new, p_new = leapfrog_step(s, p, force, dt, gamma, mass, boxes)
     return [s_new[i] if i in group else s[i] for i in range(len(s))], [
         p_new[i] if i in group else p[i] for i in range(len(p))
     ]
@@ -118,7 +136,7 @@ def exact_grads(
     """Autograd gradient of the batch-mean loss (of `cost`, `cost_loss`) at the free equilibrium for every named
     parameter, and the loss; the free window unrolled in the trainer's order. A machine with couplings other than
     dense (a conv machine on images) goes through `exact_grads_energy`, with `forces` as relax_energy's."""
-    if any(c.kind != "dense" for c in machine.energy.couplings):
+    if any(c.kind != "dense" for c in machine.energy.couplings) or not machine.energy.graph.is_chain:
         return exact_grads_energy(machine, inputs, targets, steps, dt, gamma, mass, beta_r, eps, order, cost, forces)
     names = list(machine.named_params())
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
@@ -154,12 +172,15 @@ def relax_energy(
     if forces not in ("energy", "pulls"):
         raise ValueError(f"forces is 'energy' or 'pulls', got {forces!r}")
     pulls = forces == "pulls" and has_pulls(e)  # a coupling of the user's: its energy's forces
+    chain = e.graph.is_chain
+    colouring = None if chain else tuple(greedy_colouring(e))
+    boxes = None if chain else e.graph.boxes
     s = [torch.zeros(x.shape[0], h, dtype=x.dtype) for h in e.state_sizes()]
     p = [torch.zeros_like(t) for t in s]
     for _ in range(steps):
-        for group in groups(len(s), order):
+        for group in groups(len(s), order, colouring):
             if pulls:
-                s, p = partial_step(s, p, pull_forces(s, x, e, group), dt, gamma, mass, group)
+                s, p = partial_step(s, p, pull_forces(s, x, e, group), dt, gamma, mass, group, boxes)
                 continue
             s = [t if t.requires_grad else t.requires_grad_(True) for t in s]
             # only the moving layers' forces: the others' would be computed and dropped (half of them under even/odd)
@@ -167,19 +188,33 @@ def relax_energy(
             force = [torch.zeros_like(t) for t in s]
             for i, g in zip(group, pulled):
                 force[i] = -g
-            s, p = partial_step(s, p, force, dt, gamma, mass, group)
+            s, p = partial_step(s, p, force, dt, gamma, mass, group, boxes)
     return s
 
 
+def greedy_colouring(e: Energy) -> list[tuple[int, ...]]:
+    """A graph energy's state layers in groups no two of which are coupled, lowest layer first, from its edges (the
+    reference's own colouring, not the trainer's)."""
+    layers = len(e.state_sizes())
+    coupled = {(b, a) for b, a in e.graph.edges if b >= 0} | {(a, b) for b, a in e.graph.edges if b >= 0}
+    colour: dict[int, int] = {}
+    for j in range(layers):
+        colour[j] = min(set(range(layers)) - {colour[i] for i in colour if (i, j) in coupled})
+    return [tuple(j for j in range(layers) if colour[j] == c) for c in sorted(set(colour.values()))]
+
+
 def pull_forces(s: list[Tensor], x: Tensor, e: Energy, group: list[int]) -> list[Tensor]:
-    """-dE/ds_i = -s_i + (pull from below) + (pull from above) for the layers in `group` (zeros elsewhere), from the
-    dense and conv couplings' pulls written with autograd (`up`, `down`: the arithmetic of the trainer's pulls)."""
-    below = [x, *s[:-1]]
+    """-dE/ds_j = -s_j + (pulls from below) + (pulls from above) for the layers in `group` (zeros elsewhere), from the
+    dense and conv couplings' pulls written with autograd (`up`, `down`: the arithmetic of the trainer's pulls), over
+    the energy's edges (a chain's: coupling j from layer j - 1, coupling j + 1 from layer j + 1)."""
     force = [torch.zeros_like(t) for t in s]
-    for i in group:
-        force[i] = up(e.couplings[i], below[i]) - s[i]
-        if i + 1 < len(s):
-            force[i] = force[i] + down(e.couplings[i + 1], s[i + 1], s[i])
+    for j in group:
+        force[j] = -s[j]
+        for (b, a), c in zip(e.graph.edges, e.couplings):
+            if a == j:
+                force[j] = force[j] + up(c, x if b < 0 else s[b])
+            elif b == j:
+                force[j] = force[j] + down(c, s[a], s[j])
     return force
 
 
@@ -229,7 +264,8 @@ def exact_grads_energy(
     names = list(machine.named_params())
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
     with torch.enable_grad():
-        x = machine.input_vectors(x)  # in the machine's dtype (feature and image rows load as float32)
+        # a learned embedding's rows from its leaf; feature and image rows in the machine's dtype (they load as float32)
+        x = leaves["emb"][x].flatten(1) if "emb" in leaves else machine.input_vectors(x)
         s = relax_energy(x, machine.energy.rebind(leaves), steps, dt, gamma, mass, order, forces)
         loss = cost_loss(s[-1], targets, leaves, machine, beta_r, eps, cost).mean()
         grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)

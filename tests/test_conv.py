@@ -170,7 +170,7 @@ def test_capped_max_pooling_pull_moves_no_more_than_the_cap_allows():
         (16, "must be a mapping"),
         ({"kernel": 3}, "needs `channels`"),
         ({"channels": 4, "kernel": 4}, "must be odd"),
-        ({"channels": 4, "stride": 2}, "unknown conv key"),
+        ({"channels": 4, "dilation": 2}, "unknown conv key"),
         ({"channels": 0}, r"channels must be an integer in 1\.\.1048576, got 0"),
         ({"channels": 2, "kernel": 99999999999999999999}, r"kernel must be an integer in 1\.\.1048576"),
         ({"channels": 2, "pool": True}, "pool must be an integer"),

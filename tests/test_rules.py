@@ -252,7 +252,7 @@ def test_the_new_phases_allocate_nothing(rule, cost, relaxation):
     free = relax.free_phase(x, y)
     known = {t.untyped_storage().data_ptr() for t in step_tensors([relax, m.energy, free])}
     if relax.adjoint is not None:
-        set_masks(relax.adjoint, relax.s0.s)  # per batch, before the sweeps
+        set_masks(relax.adjoint, relax.s0.s, relax.m.energy)  # per batch, before the sweeps
     with torch.no_grad(), NewStorage(known) as spy:
         if relax.adjoint is None:
             relax.run(relax.ws_nudged, free, 0, cfg.nudge_steps, True)

@@ -196,7 +196,7 @@ def test_stormer_verlet_energy_drift_stays_bounded_over_1000_steps():
     gen = torch.Generator().manual_seed(0)
     ws.state.p[0].copy_(torch.randn(ws.state.p[0].shape, generator=gen, dtype=torch.float64) * 0.03)
     ws.state.p[1].copy_(torch.randn(ws.state.p[1].shape, generator=gen, dtype=torch.float64) * 0.03)
-    input_drive(x, m.energy, ws.drive)
+    input_drive(x, m.energy, ws.drives)
     h0 = hamiltonian(m, x, ws.state, cfg.mass)
     kinetic0 = sum((p * p).sum(1) for p in ws.state.p) / (2 * cfg.mass)
     drift = []

@@ -26,6 +26,8 @@ def tiny_config(**overrides) -> TrainConfig:
         proto_init_scale=1.0,
         spectral_cap=0.5,
     )
+    if "layers" in overrides:  # layers in place of the shorthand
+        del base["hidden_sizes"]
     base.update(overrides)
     return TrainConfig(**base)
 

@@ -128,11 +128,12 @@ def named_components(values: dict[str, Any]) -> list[tuple[str, str]]:
         name = values.get(field)
         if isinstance(name, str) and "." in name and not is_builtin(kind, name):
             found.append((field, name))
-    layers = values.get("layers")
-    for i, entry in enumerate(layers if isinstance(layers, list) else []):
-        for name in entry if isinstance(entry, dict) else []:
-            if isinstance(name, str) and "." in name and not is_builtin("coupling", name):
-                found.append((f"layers[{i}]", name))
+    for field in ("layers", "couplings"):  # a chain's layers, or a graph's couplings, are keyed by their kinds
+        entries = values.get(field)
+        for i, entry in enumerate(entries if isinstance(entries, list) else []):
+            for name in entry if isinstance(entry, dict) else []:
+                if isinstance(name, str) and "." in name and not is_builtin("coupling", name):
+                    found.append((f"{field}[{i}]", name))
     return found
 
 

@@ -32,6 +32,22 @@ LAYERS_HELP = (
 )
 
 
+YAML_ONLY = ("couplings",)  # a graph's couplings are mappings, written in a YAML file (--config FILE), not flags
+
+
+def yaml_only(name: str) -> Callable[[str], Any]:
+    """The type of a flag whose values are mappings: any value is refused, saying to write it in YAML."""
+
+    def refuse(text: str) -> Any:
+        raise argparse.ArgumentTypeError(
+            f"{name} are mappings ({{conv: {{...}}, from: LAYER, to: LAYER}}), written in a YAML file passed with "
+            f"--config FILE (docs/design.md#the-energy-as-a-graph), not on the command line"
+        )
+
+    refuse.__name__ = name
+    return refuse
+
+
 def layer_flag(text: str) -> dict[str, Any]:
     """--layers entries: KIND:SIZE (dense:256, my_couplings.WideDense:64) -> {KIND: SIZE}; the config validates kind
     and size, but a built-in kind whose spec is not a size (conv) is refused here, saying how to write it."""
@@ -91,6 +107,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"{field.description} (default: {field.default})"}
         if name == "layers":
             kw.update(nargs="+", type=layer_flag, metavar="KIND:SIZE")
+        elif name in YAML_ONLY:
+            kw.update(nargs="+", type=yaml_only(name), metavar="YAML")
         elif base is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(base) is Literal:

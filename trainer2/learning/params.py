@@ -19,7 +19,8 @@ GROUPS = ("energy", "readout", "embed")
 @dataclass(frozen=True)
 class ParamTable:
     """Parallel lists in `Machine.named_params()` order: name, live tensor (a view of the flat buffer), group; and
-    each element's lr multiplier and L2 decay over the flat buffer, for the whole-buffer update."""
+    each element's lr multiplier (its group's times its coupling's) and L2 decay over the flat buffer, for the
+    whole-buffer update."""
 
     names: tuple[str, ...]
     tensors: tuple[Tensor, ...]
@@ -37,7 +38,8 @@ class ParamTable:
         scale = eta_scales
         group_of, decayed = machine.param_groups(), machine.energy.decayed()
         groups = tuple(group_of[n] for n in named)
-        mults = tuple(scale[g] for g in groups)
+        per_coupling = machine.energy.lr_scales()  # a graph's per-coupling `lr` (1 for a chain)
+        mults = tuple(scale[g] * per_coupling.get(n, 1.0) for n, g in zip(named, groups))
         decay = tuple(weight_decay if n in decayed else 0.0 for n in named)
         flat, sizes = machine.flat, [t.numel() for t in named.values()]
 

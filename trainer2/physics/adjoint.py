@@ -1,16 +1,18 @@
 """Recurrent backprop (Almeida 1987, Pineda 1987): the exact gradient of the loss at the free equilibrium, from the
 linear adjoint system of the fixed point, with the couplings' analytic transposes and the box's masks (no autograd).
 
-The free equilibrium is the fixed point s = box(Phi(s)), Phi_i = up_i(s_{i-1}) + b_i + down_{i+1}(s_{i+1}) (q is not
-boxed). With D the mask of the hidden units strictly inside (0, 1) at s0 (1 on q), K = dPhi/ds the couplings between
+The free equilibrium is the fixed point s = box(Phi(s)), Phi_j = the pulls of the couplings layer j touches (a
+chain's: up_j(s_{j-1}) + b_j + down_{j+1}(s_{j+1}); q is not boxed). With D the mask of the hidden units strictly
+inside their boxes at s0 (1 on q), K = dPhi/ds the couplings between
 state layers (symmetric; max pooling linearised at s0's argmax) and g = dloss/ds (nonzero on q only), the adjoint solves
 lambda = g + K D lambda, and with mu = D lambda
 
     dloss/dtheta = mu^T dPhi/dtheta:  mu_a b^T + a mu_b^T for a coupling from b (below) to a (above), mu_a for its bias
 
-(the input's gradient is W_1^T mu_1). The sweep mu <- D (g + K mu) from mu = 0 converges because the spectral cap keeps
-|K| <= spectral_cap < 1; T sweeps are the first-order effect of a T-step nudged phase (which moves s by -beta mu), so
-the adjoint takes nudge_steps sweeps, in the relaxation's order (Jacobi, or odd layers then even ones).
+(the input's gradient is W_1^T mu_1 for a chain). The sweep mu <- D (g + K mu) from mu = 0 converges because the
+spectral cap keeps |K| <= spectral_cap < 1; T sweeps are the first-order effect of a T-step nudged phase (which
+moves s by -beta mu), so the adjoint takes nudge_steps sweeps, in the relaxation's order (Jacobi, or the graph's
+colour groups: a chain's odd layers, then its even ones).
 
 The gradient is the EP statistic of each coupling (`ep_grads`, `ep_grads_clamped`) at s0 - eps mu and s0 + eps mu,
 scaled by 1/(2 eps): the eps^2 terms of a bilinear term cancel, so it is exact at any eps, and mu is normalised by its
@@ -25,7 +27,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer2.physics.dynamics import halves
 from trainer2.physics.energy import Energy, ep_grads
 
 
@@ -52,38 +53,42 @@ class AdjointWorkspace:
         )
 
 
-def set_masks(aw: AdjointWorkspace, s0: list[Tensor]) -> None:
+def set_masks(aw: AdjointWorkspace, s0: list[Tensor], e: Energy) -> None:
     """D from the free equilibrium: 1 where a hidden unit is strictly inside its box (a unit on a face stays there
     under a small change of the parameters), else 0. Per batch, outside the sweeps."""
-    for m, s in zip(aw.mask, s0[:-1], strict=True):
-        torch.logical_and(s > 0.0, s < 1.0, out=m)
+    for m, s, (low, high) in zip(aw.mask, s0[:-1], e.graph.boxes, strict=True):
+        torch.logical_and(s > low, s < high, out=m)
 
 
 def adjoint_layer(e: Energy, s0: list[Tensor], aw: AdjointWorkspace, j: int, out: Tensor) -> None:
-    """out = D_j (g_j + [K mu]_j): the pull of mu_{j-1} through coupling j linearised at s0, and of mu_{j+1} through
-    coupling j + 1's transpose at s0 (no biases, no input: both are constant in s)."""
-    c, mu, last = e.couplings, aw.mu, len(aw.mu) - 1
+    """out = D_j (g_j + [K mu]_j): the pulls of mu through the couplings into layer j from state layers, linearised
+    at s0, and through the transposes of the couplings from j to the layers above, at s0 (no biases, no input: both
+    are constant in s). A chain's: mu_{j-1} through coupling j, mu_{j+1} through coupling j + 1."""
+    g, c, mu, last = e.graph, e.couplings, aw.mu, len(aw.mu) - 1
     if j == last:  # q: not boxed, and the only layer the loss reaches
         out.copy_(aw.g)
-        c[j].add_up_linear(mu[j - 1], s0[j - 1], out)
-        return
-    out.zero_()
-    if j > 0:
-        c[j].add_up_linear(mu[j - 1], s0[j - 1], out)
-    c[j + 1].add_down(mu[j + 1], s0[j], out)
-    out.mul_(aw.mask[j])
+    else:
+        out.zero_()
+    for k in g.into[j]:
+        below = g.edges[k][0]
+        if below >= 0:
+            c[k].add_up_linear(mu[below], s0[below], out)
+    for k in g.out_of[j]:
+        c[k].add_down(mu[g.edges[k][1]], s0[j], out)
+    if j != last:
+        out.mul_(aw.mask[j])
 
 
 def adjoint_steps(e: Energy, s0: list[Tensor], aw: AdjointWorkspace, steps: int, even_odd: bool) -> None:
-    """`steps` sweeps mu <- D (g + K mu) from mu = 0: every layer from the previous mu (Jacobi, through aw.new), or the
-    odd layers h_1, h_3, ... first and the even ones from them (in place: layers of one parity do not read each other).
-    Allocation-free for dense chains."""
+    """`steps` sweeps mu <- D (g + K mu) from mu = 0: every layer from the previous mu (Jacobi, through aw.new), or
+    the groups of the graph's colouring in turn (a chain's odd layers h_1, h_3, ... then its even ones), each in place:
+    layers of one group do not read each other. Allocation-free for dense chains."""
     torch._foreach_zero_(aw.mu)
     last = len(aw.mu) - 1
     for _ in range(steps):
         if even_odd:
-            for half in halves(last):
-                for j in half:
+            for group in e.graph.colouring:
+                for j in group:
                     adjoint_layer(e, s0, aw, j, aw.mu[j])
         else:
             for j in range(last + 1):

@@ -162,6 +162,7 @@ class Workspace:
 
     state: State  # the running state
     drive: Tensor  # (R, H_1) W_1 x + b_1, filled before the window
+    drives: list[Tensor]  # (R, H_j) per layer the input drives: [drive] for a chain (energy.input_drive)
     target_mask: Tensor  # (R, K) 1 where candidate k carries the example's label
     label_hit: Tensor  # (R, K) bool, the same before conversion
     beta_sign: Tensor  # (R, 1) the nudging strength of each row (+beta, -beta or 0), fixed at allocation
@@ -215,10 +216,12 @@ class Workspace:
         like: Tensor,
         fixed: bool,
         temps: list[int] | None = None,
+        driven: list[int] | None = None,
     ) -> "Workspace":
         """sizes = [H_1, ..., H_M, n]; betas: one nudging strength per block of rows (e.g. [0], [b] or [b, -b]);
         fixed: for the fixed-point window (no momenta, no forces) rather than the leapfrog; temps: the widths of its
-        temp buffers (default: Jacobi's, H_1 .. H_{M-1})."""
+        temp buffers (default: Jacobi's, H_1 .. H_{M-1}); driven: the widths of the layers the input drives (default
+        a chain's, [H_1])."""
         n, k = sizes[-1], num_candidates
 
         def new(*shape: int) -> Tensor:
@@ -230,9 +233,11 @@ class Workspace:
         spd_hist = new(steps, rows)
         per = rows // len(betas)
         beta_sign = torch.cat([torch.full((per, 1), b, dtype=like.dtype, device=like.device) for b in betas])
+        drives = [new(rows, h) for h in ([sizes[0]] if driven is None else driven)]
         return Workspace(
             state=State.zeros(rows, sizes, like, momenta=not fixed),
-            drive=new(rows, sizes[0]),
+            drive=drives[0],
+            drives=drives,
             target_mask=new(rows, k),
             label_hit=torch.zeros(rows, k, dtype=torch.bool, device=like.device),
             beta_sign=beta_sign,
@@ -442,12 +447,6 @@ def first_block_pulls(
     out[rows:].view(-1, rows, out.shape[1]).copy_(out[:rows])
 
 
-def halves(depth: int) -> tuple[list[int], list[int]]:
-    """The state layers s[j] = h_{j+1} of a chain of `depth` hidden layers (q = s[depth] = h_{M+1}) by parity: the odd
-    layers h_1, h_3, ... (j even), which move first, and the even ones h_2, h_4, ... (j odd)."""
-    return list(range(0, depth + 1, 2)), list(range(1, depth + 1, 2))
-
-
 def staged_layers(e: Energy) -> list[int]:
     """The hidden layers j whose even/odd step goes through a temp buffer: those whose coupling above reads them (max
     pooling places its pull at the argmax of the layer's current value), so the step forms that pull from the old
@@ -469,7 +468,7 @@ def even_odd_steps(run: PhaseRun) -> None:
     s, c = ws.state.s, run.energy.couplings
     last = len(s) - 1
     staged = dict(zip(staged_layers(run.energy), ws.temp, strict=True))
-    order = halves(last)
+    order = run.energy.graph.colouring  # a chain's: its odd layers h_1, h_3, ..., then its even ones
     ws.q_rows[start].copy_(s[last])
     for t in range(start, start + steps):
         q_now, q_new = ws.q_rows[t], ws.q_rows[t + 1]
@@ -531,13 +530,15 @@ def readout_nudge(ws: Workspace, fold: FoldedFrame, one_hot: bool) -> None:
 
 
 def leapfrog_steps(run: PhaseRun) -> None:
-    """Damped-leapfrog steps from ws.state (any dt, gamma, mass); nudged rows pull q by -beta dloss/dq."""
+    """Damped-leapfrog steps from ws.state (any dt, gamma, mass), chain or graph (each hidden layer kept in its box);
+    nudged rows pull q by -beta dloss/dq."""
     ws, integ = run.ws, run.integ
     s, p, f = ws.state.s, ws.state.p, ws.force
     decay, kick, drift = 1.0 - integ.gamma * integ.dt, integ.dt, integ.dt / integ.mass
-    last = len(s) - 1
+    last, boxes = len(s) - 1, run.energy.graph.boxes
+    drive = ws.drive if run.energy.graph.is_chain else ws.drives
     for t in range(run.start, run.start + run.steps):
-        forces(s, ws.drive, run.energy, f)
+        forces(s, drive, run.energy, f)
         if run.clamp:  # q's momentum was zeroed with the clamp (`clamp_output`), so q stays
             f[last].zero_()
         elif run.nudged:
@@ -550,7 +551,7 @@ def leapfrog_steps(run: PhaseRun) -> None:
             p[i].mul_(decay).add_(f[i], alpha=kick)
             s[i].add_(p[i], alpha=drift)
             if i < last:
-                s[i].clamp_(0.0, 1.0)
+                s[i].clamp_(*boxes[i])
         # v = (q_t - q_{t-1}) / dt = p_q / mass (q is never clamped); spd = |v L^T, sqrt(eps)|.
         torch.addmm(run.fold.c, p[last], run.fold.lt, alpha=1.0 / integ.mass, out=ws.zv)
         torch.linalg.vector_norm(ws.zv, dim=1, out=ws.spd_rows[t])

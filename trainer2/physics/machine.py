@@ -14,6 +14,7 @@ from torch import Tensor
 from trainer2.components import BUILTIN, resolve, takes_keyword
 from trainer2.physics.couplings.coupling import CLIP_SLACK
 from trainer2.physics.energy import Energy, init_energy
+from trainer2.physics.graph import Plan, plan
 from trainer2.physics.readout import Candidates, ReadoutParams, RotorLayout, rotor_layout
 from trainer2.section import ConfigError, Section, short_repr
 
@@ -30,7 +31,16 @@ class MachineConfig(Section):
         description="The hidden layers h_1..h_M, lowest first, each {kind: spec} with the kind of coupling that "
         "drives it from below: [{dense: 256}] is one dense layer of 256 units (on the command line: --layers "
         "dense:256); a kind is a built-in (dense, conv) or a dotted path module.Class to your own coupling. "
-        "--hidden_sizes 256 128 is shorthand for dense layers of those sizes.",
+        "--hidden_sizes 256 128 is shorthand for dense layers of those sizes. With `couplings`, the layers are a "
+        "graph's named state layers instead: [{name: h1, box: relu6}, ...] (box unit [0, 1], the default, or relu6 "
+        "[0, 6]; docs/design.md#the-energy-as-a-graph).",
+    )
+    couplings: list[dict[str, Any]] = Field(
+        [],
+        description="Empty: the layers are a chain. Else the energy's graph (YAML only): each coupling "
+        "{KIND: SPEC, from: LAYER, to: LAYER, gain: G, lr: R} joins two layers, lower to higher (`input` is the "
+        "clamped data, `output` is q); gain scales its initial weights, lr its learning rate (both default 1); "
+        "{from: LAYER, to: output} sets the dense head's source (default the last layer).",
     )
     cost: str = Field(
         "retrieval",
@@ -77,6 +87,8 @@ class MachineConfig(Section):
     def _layers(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if len(v) > MAX_DEPTH:
             raise ValueError(f"at most {MAX_DEPTH} hidden layers, got {len(v)}")
+        if all(isinstance(entry, dict) and "name" in entry for entry in v):
+            return v  # a graph's named layers: checked with its couplings (_graph)
         for i, entry in enumerate(v):
             kind = next(iter(entry), None)
             if len(entry) != 1 or not isinstance(kind, str) or ("." not in kind and kind not in BUILTIN["coupling"]):
@@ -100,6 +112,36 @@ class MachineConfig(Section):
             if size > MAX_WIDTH:
                 raise ValueError(f"layer {i} ({kind}): at most {MAX_WIDTH} units a layer, got {size}")
         return v
+
+    @model_validator(mode="after")
+    def _graph(self) -> "MachineConfig":
+        named = all("name" in entry for entry in self.layers)
+        if named and not self.couplings:
+            raise ValueError(
+                "layers name a graph's state layers ({name: ...}), but couplings is empty: give the couplings that "
+                "join them, or write a chain as layers: [{dense: 256}, ...]"
+            )
+        if self.couplings and not named:
+            raise ValueError(
+                "couplings make the energy a graph, whose layers are named state layers [{name: h1, box: relu6}, "
+                "...]; these layers are a chain's {kind: spec} entries (drop couplings, or name the layers)"
+            )
+        if not self.couplings:
+            return self
+        p = self.plan()
+        for k, entry in enumerate(p.entries[:-1]):
+            ends = p.graph.describe()[k].partition(": ")[2]
+            try:
+                size = math.prod(resolve("coupling", entry.kind).spec_size(entry.spec))
+            except ValueError as e:  # a ComponentError too: the kind names nothing usable
+                raise ValueError(f"coupling {k} ({ends}, {entry.kind}): {e}") from None
+            if size > MAX_WIDTH:
+                raise ValueError(f"coupling {k} ({ends}): at most {MAX_WIDTH} units a layer, got {size}")
+        return self
+
+    def plan(self) -> Plan:
+        """The energy's graph and couplings before any tensor (trainer2.physics.graph.plan)."""
+        return plan(self.layers, self.couplings, self.coord_dim_n, self.out_init_scale)
 
     @field_validator("cost")
     @classmethod
@@ -192,9 +234,9 @@ def build_machine(
     emb = torch.randn(num_classes, spec.embed_dim, generator=gen, dtype=dtype) if tokens else None
     x_dim = input_dim * spec.embed_dim if tokens else input_dim
     try:
-        energy = init_energy(input_shape or (x_dim,), spec.layers, spec.coord_dim_n, spec.out_init_scale, gen, dtype)
+        energy = init_energy(input_shape or (x_dim,), spec.plan(), gen, dtype)
     except ValueError as e:  # a layer that cannot sit on the one below it (a conv above flat data)
-        raise ConfigError(f"layers: {e}") from None
+        raise ConfigError(f"{'couplings' if spec.couplings else 'layers'}: {e}") from None
     n = spec.coord_dim_n
     readout = ReadoutParams(
         g_diag=torch.ones(n, dtype=dtype),
@@ -250,11 +292,16 @@ def move_machine(m: Machine, device: torch.device) -> Machine:
 
 
 def coupling_cap(spec: MachineConfig) -> float:
-    """The largest spectral norm each coupling between state layers may have: spectral_cap / (2 cos(pi/(M+2))).
+    """The largest spectral norm each coupling between state layers may have: spectral_cap / (2 cos(pi/(M+2))) for a
+    chain, spectral_cap / |A| for a graph whose state layers' adjacency is A.
 
-    The couplings form a path over the M+1 state layers, whose adjacency has norm 2 cos(pi/(M+2)), so this
-    keeps the coupling block of E's Hessian at most spectral_cap at any depth (docs/design.md section 1).
-    For one hidden layer the path norm is exactly 1 (written so, the cosine rounds to 1 + 2^-52)."""
+    A chain's couplings form a path over the M+1 state layers, whose adjacency has norm 2 cos(pi/(M+2)), so this
+    keeps the coupling block of E's Hessian at most spectral_cap at any depth (docs/design.md section 1); a block
+    matrix whose blocks have norms <= c has norm <= c |A| for any graph. For one hidden layer the path norm is exactly
+    1 (written so, the cosine rounds to 1 + 2^-52)."""
+    graph = spec.plan().graph if spec.couplings else None
+    if graph is not None and not graph.is_chain:
+        return spec.spectral_cap / graph.adjacency_norm()
     depth = len(spec.layers)
     return spec.spectral_cap / (1.0 if depth == 1 else 2 * math.cos(math.pi / (depth + 2)))
 
@@ -271,7 +318,9 @@ def refuse_caps_without_clip(m: Machine) -> None:
     none (written to the protocol before it) is refused by name here, not with a TypeError in the first update."""
     if m.spec.spectral_cap_mode != "clip":
         return
-    for c, kind in zip(m.energy.between_states, m.energy.kinds()[1:]):
+    kind_of = {id(c): kind for c, kind in zip(m.energy.couplings, m.energy.kinds())}
+    for c in m.energy.between_states:
+        kind = kind_of[id(c)]
         if not takes_keyword(c.cap_power, "clip"):
             raise ConfigError(
                 f"coupling {kind}'s cap_power takes no `clip`, which spectral_cap_mode clip hands it: add "

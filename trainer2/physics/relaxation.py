@@ -32,10 +32,12 @@ from trainer2.physics.dynamics import (
     staged_layers,
 )
 from trainer2.physics.energy import Energy, input_drive
+from trainer2.physics.graph_steps import staged_graph_layers
 from trainer2.physics.kernels.backend import (
     choose_backend,
     choose_readout_backend,
     frame_kernel,
+    graph_blocker,
     make_phase_function,
     nudge_blocker,
     readout_kernel,
@@ -182,11 +184,13 @@ class Relaxation:
         self.nudge = NudgeScheme.centred(cfg.beta_nudge, own_argmax=cfg.own_argmax) if scheme is None else scheme
         refuse_pieces_without_at(machine, self.nudge)
         # The relaxation's backend (torch operators, or one Triton launch per phase), chosen once per run, not per step
-        kinds, served = machine.energy.kinds(), nudge_blocker(self.nudge, self.cost.kind, self.cost.folded)
+        graph = machine.energy.graph
+        kinds = machine.energy.kinds()
+        served = graph_blocker(graph) or nudge_blocker(self.nudge, self.cost.kind, self.cost.folded)
         self.backend = choose_backend(
             cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds, served
         )
-        self.steps_fn = make_phase_function(self.backend, self.integ)
+        self.steps_fn = make_phase_function(self.backend, self.integ, graph)
         # The retrieval readout's loss and gradients at s0: the cost's torch operators, or one Triton launch
         counts = (batch, sizes[-1], num_cand, machine.num_classes)
         self.readout_backend = choose_readout_backend(cfg.readout_backend, like, self.cost, counts)
@@ -194,11 +198,15 @@ class Relaxation:
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
         self.targets = self.cost.uses_target or self.nudge.clamp  # each batch forms c_y per row (not the default)
         fixed, phases = self.integ.fixed_point, self.nudge.phases
-        temps = [sizes[j] for j in staged_layers(machine.energy)] if self.integ.even_odd else None
-        self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed, temps)
+        if not graph.is_chain:
+            temps = [sizes[j] for j in staged_graph_layers(machine.energy, self.integ.even_odd)]
+        else:
+            temps = [sizes[j] for j in staged_layers(machine.energy)] if self.integ.even_odd else None
+        driven = [sizes[j] for j in graph.driven]
+        self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed, temps, driven)
         self.ws_nudged = (
             Workspace.allocate(
-                phases * batch, sizes, num_cand, cfg.nudge_steps, list(self.nudge.betas), like, fixed, temps
+                phases * batch, sizes, num_cand, cfg.nudge_steps, list(self.nudge.betas), like, fixed, temps, driven
             )
             if phases
             else None
@@ -220,7 +228,8 @@ class Relaxation:
         # operator: each of the stacked workspace's (phases x B, H) buffers seen as `phases` blocks of the batch's rows
         pairs: list[tuple[Tensor, Tensor]] = []
         if phases:
-            pairs = [(self.ws_nudged.target_mask, self.ws.target_mask), (self.ws_nudged.drive, self.ws.drive)]
+            pairs = [(self.ws_nudged.target_mask, self.ws.target_mask)]
+            pairs += zip(self.ws_nudged.drives, self.ws.drives, strict=True)
             pairs += zip(self.ws_nudged.state.tensors(), self.s0.tensors(), strict=True)
             pairs += [(self.ws_nudged.target, self.ws.target)] if self.targets else []
         self.nudged_start = ([dst.view(phases, batch, -1) for dst, _ in pairs], [src for _, src in pairs])
@@ -253,7 +262,7 @@ class Relaxation:
         if self.targets:
             self.cost.target(cost, ws.target_mask, ws.target)
         energy = m.energy.for_window()
-        input_drive(x, energy, ws.drive)
+        input_drive(x, energy, ws.drives)
         ws.state.zero_()
         free = FreeState(x, frame, fold, cand, cost, energy)
         self.relax(ws, free, cfg.free_steps, False, "free", at_rest=True)
@@ -287,7 +296,7 @@ class Relaxation:
         nudge_steps sweeps of the adjoint (trainer2.physics.adjoint); returns mu, one (B, H_i) per state layer."""
         aw, ws = self.adjoint, self.ws
         self.cost.force(self.s0.s[-1], free.cost, ws.target_mask, ws.target, ws.readout, aw.g)
-        set_masks(aw, self.s0.s)
+        set_masks(aw, self.s0.s, free.energy)
         adjoint_steps(free.energy, self.s0.s, aw, self.cfg.nudge_steps, self.integ.even_odd)
         return aw.mu
 
@@ -395,8 +404,9 @@ def refuse_pieces_without_at(machine: Machine, nudge: NudgeScheme) -> None:
     refused by name where the rule hands it one: `maxpool_argmax: free`, and recurrent backprop (s0's piece)."""
     if not nudge.on_free_piece:
         return  # each phase on its own piece: ep_grads is called with three arguments
-    for c, kind in zip(machine.energy.couplings[1:], machine.energy.kinds()[1:]):
-        if c.down_reads_below and not takes_keyword(c.ep_grads, "at"):
+    e = machine.energy
+    for c, kind, (below, _) in zip(e.couplings, e.kinds(), e.graph.edges):
+        if below >= 0 and c.down_reads_below and not takes_keyword(c.ep_grads, "at"):
             why = "recurrent backprop (rule: rbp)" if nudge.kind == "adjoint" else "maxpool_argmax: free"
             raise ConfigError(
                 f"coupling {kind} is piecewise (down_reads_below) and its ep_grads takes no `at`, the lower layer "

@@ -98,6 +98,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "validation_fraction": 0.0,
     "maxpool_argmax": "own",  # what the EP statistic always did (each phase's own argmax)
     "spectral_cap_mode": "scale",  # what the spectral cap always did (the whole coupling scaled)
+    "couplings": [],  # every earlier energy was a chain
 }
 
 

@@ -13,7 +13,7 @@ from trainer2.components import resolve
 from trainer2.data.dataset import InputSpec
 from trainer2.io.memory import available_bytes
 from trainer2.learning.rules.rule import rule_scheme
-from trainer2.physics.energy import layer_shapes
+from trainer2.physics.energy import coupling_shapes
 from trainer2.train_config import ConfigError, TrainConfig
 
 GIB = 2**30
@@ -31,15 +31,15 @@ class Need:
 
 
 def chain(cfg: TrainConfig, input_shape: tuple[int, ...]) -> list[tuple[type, object, tuple[int, ...]]]:
-    """(coupling kind, spec, shape of the layer below) of every coupling, the dense one into q last; a layer that
-    cannot sit on the one below is a ConfigError naming it."""
+    """(coupling kind, spec, shape of the layer below) of every coupling of the energy's graph (a chain's in order),
+    the dense one into q last; a coupling that cannot sit on its layer below, or couplings whose shapes do not meet,
+    are a ConfigError naming them."""
+    p = cfg.plan()
     try:
-        hidden = layer_shapes(input_shape, cfg.layers)
+        belows = coupling_shapes(input_shape, p)
     except ValueError as e:
-        raise ConfigError(f"layers: {e}") from None
-    belows = [input_shape, *(shape for _, _, shape in hidden)]
-    specs = [(kind, spec) for kind, spec, _ in hidden] + [("dense", cfg.coord_dim_n)]
-    return [(resolve("coupling", kind), spec, below) for (kind, spec), below in zip(specs, belows)]
+        raise ConfigError(f"{'couplings' if cfg.couplings else 'layers'}: {e}") from None
+    return [(resolve("coupling", e.kind), e.spec, below) for e, below in zip(p.entries, belows)]
 
 
 def needs(cfg: TrainConfig, spec: InputSpec, heldout: int) -> list[Need]:

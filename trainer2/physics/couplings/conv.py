@@ -1,9 +1,12 @@
-"""A convolutional coupling: a stride-1, same-padded convolution of the layer below, pooled (average or max) into
-the layer above.
+"""A convolutional coupling: a convolution of the layer below, pooled (average or max) into the layer above.
 
     E_c(below, above) = -above . (P(conv_K below) + b),   K (C_out, C_in, k, k), b (C_out,),  P = avgpool_p or maxpool_p
 
-Layers are (C, H, W) images stored as (R, C*H*W) rows.
+Layers are (C, H, W) images stored as (R, C*H*W) rows. The convolution is stride 1 with same padding (k // 2) by
+default; without pooling (p = 1) the spec may give it a stride s and padding q instead (residual networks: a 3x3
+stride-2 conv in place of pooling, a 1x1 stride-2 skip), making the layer above (C_out, (H + 2q - k) // s + 1, ...).
+Pooling assumes the default stride and padding. A strided conv_K is linear like the pooled ones below: L = conv_K at
+stride s, its adjoint conv_transpose2d at stride s, its EP statistic the same correlation at dilation s.
 
 Average pooling: A = avgpool_p o conv_K is linear, so the term is bilinear like a dense one. Pooling p x p after a
 k x k convolution is one convolution of stride p with the (k+p-1)^2 kernel K' = K * box_p / p^2 (the box filter's
@@ -36,15 +39,53 @@ from torch import Tensor
 
 from trainer2.physics.couplings.coupling import Sides, bring_under_cap
 
-SPEC_KEYS = {"channels", "kernel", "pool", "pooling"}
+SPEC_KEYS = {"channels", "kernel", "pool", "pooling", "stride", "padding"}
 POOLINGS = ("avg", "max")
 EXACT_ITERS = 500  # power-iteration steps of the build-time cap: a conv's top singular values crowd together
-MAX_SPEC = 2**20  # channels, kernel, pool: far beyond any image, and products of them stay countable (sizes.py)
+MAX_SPEC = 2**20  # channels, kernel, pool, stride: far beyond any image, and products of them stay countable (sizes.py)
+
+
+def workspace_bytes(below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:
+    """Bytes a conv coupling allocates beyond the workspace at the peak of its operations over `rows` rows: a pull's
+    convolution output (full resolution before max pooling, with its argmax and unpooled plane) and the adjoint's
+    channels-last copy; the EP statistic's rows of both phases concatenated and their copies with rows as channels
+    (the correlation is one convolution); under max pooling, the int64 argmax a step keeps between its halves."""
+    channels, kernel, pool, pooling, stride, padding = parse_spec(spec)
+    maxpool = pooling == "max" and pool > 1
+    if pool > 1:
+        stride = 1 if maxpool else pool
+        linear = channels * (below[1] // stride) * (below[2] // stride)  # L's output
+    else:
+        linear = channels * math.prod(strided_size(below[1], below[2], kernel, stride, padding))
+    pull = 2 * linear + math.prod(below) + (3 * linear if maxpool else 0)  # argmax int64 + unpooled plane
+    statistic = 2 * (linear + math.prod(below))
+    kept = 8 * (linear // (pool * pool)) if maxpool else 0  # the argmax an even/odd step keeps for the pull down
+    return itemsize * rows * max(pull, statistic) + rows * kept
+
+
+def spec_size(spec: object, below: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The shape of the layer a `{conv: {channels: C, kernel: k, pool: p}}` entry makes above a (C_in, H, W) layer:
+    (C, H // p, W // p), or with p = 1 (C, (H + 2q - k) // s + 1, ...) at stride s and padding q; without `below`,
+    only the spec is checked and (C,) returned."""
+    channels, kernel, pool, _, stride, padding = parse_spec(spec)
+    if below is None:
+        return (channels,)
+    _, h, w = image_below(below, pool)
+    if pool > 1:
+        return (channels, h // pool, w // pool)
+    return (channels, *strided_size(h, w, kernel, stride, padding))
+
+
+def param_count(below: tuple[int, ...], spec: object) -> int:
+    """Numbers a conv coupling learns above a (C_in, H, W) layer: K (C_out, C_in, k, k) and b (C_out,)."""
+    channels, kernel, *_ = parse_spec(spec)
+    return channels * below[0] * kernel * kernel + channels
 
 
 @dataclass(frozen=True)
 class Conv:
-    """W_<name> (C_out, C_in, k, k) and b_<name> (C_out,), from a (C_in, H, W) layer to (C_out, H // p, W // p)."""
+    """W_<name> (C_out, C_in, k, k) and b_<name> (C_out,), from a (C_in, H, W) layer to (C_out, H // p, W // p), or
+    without pooling to (C_out, (H + 2q - k) // s + 1, (W + 2q - k) // s + 1) at the spec's stride s and padding q."""
 
     kind: ClassVar[str] = "conv"  # the name the config's layers use
     name: str
@@ -55,37 +96,24 @@ class Conv:
     below_shape: tuple[int, ...]
     above_shape: tuple[int, ...]
     kernel: Tensor | None = None  # L's kernel derived once for a window (`with_kernel`); None: derived at every pull
+    conv_stride: int = 1  # the spec's stride (1 under pooling); L's stride is the `stride` property
+    conv_padding: int | None = None  # the spec's padding; None: k // 2 (same padding)
 
-    @staticmethod
-    def spec_size(spec: object, below: tuple[int, ...] | None = None) -> tuple[int, ...]:
-        """The shape of the layer a `{conv: {channels: C, kernel: k, pool: p}}` entry makes above a (C_in, H, W)
-        layer: (C, H // p, W // p); without `below`, only the spec is checked and (C,) returned."""
-        channels, _, pool, _ = parse_spec(spec)
-        if below is None:
-            return (channels,)
-        _, h, w = image_below(below, pool)
-        return (channels, h // pool, w // pool)
-
-    @classmethod
-    def param_count(cls, below: tuple[int, ...], spec: object) -> int:
-        """Numbers learned above a (C_in, H, W) layer: K (C_out, C_in, k, k) and b (C_out,)."""
-        channels, kernel, _, _ = parse_spec(spec)
-        return channels * below[0] * kernel * kernel + channels
-
-    @classmethod
-    def workspace_bytes(cls, below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:
-        return workspace_bytes(below, spec, rows, itemsize)
+    spec_size = staticmethod(spec_size)  # the layer's shape a spec makes (the module's function)
+    param_count = staticmethod(param_count)
+    workspace_bytes = staticmethod(workspace_bytes)
 
     @classmethod
     def init(
         cls, name: str, below: tuple[int, ...], spec: object, scale: float, gen: torch.Generator, dtype: torch.dtype
     ) -> "Conv":
         """Uniform(+-scale/sqrt(C_in k^2)) kernels, zero bias."""
-        channels, kernel, pool, pooling = parse_spec(spec)
+        channels, kernel, pool, pooling, stride, padding = parse_spec(spec)
         above = cls.spec_size(spec, below)
         bound = scale / math.sqrt(below[0] * kernel * kernel)
         weight = (torch.rand(channels, below[0], kernel, kernel, generator=gen, dtype=dtype) * 2 - 1) * bound
-        return cls(name, weight, torch.zeros(channels, dtype=dtype), pool, pooling, tuple(below), above)
+        bias = torch.zeros(channels, dtype=dtype)
+        return cls(name, weight, bias, pool, pooling, tuple(below), above, conv_stride=stride, conv_padding=padding)
 
     @property
     def bias(self) -> Tensor:
@@ -114,12 +142,18 @@ class Conv:
 
     @property
     def padding(self) -> int:
-        return self.weight.shape[-1] // 2
+        """L's padding: the spec's, by default (and always under pooling) k // 2."""
+        return self.weight.shape[-1] // 2 if self.conv_padding is None else self.conv_padding
 
     @property
     def stride(self) -> int:
-        """L's stride: p (average pooling folded into L), or 1 (max pooling follows L)."""
-        return 1 if self.maxpool else self.pool
+        """L's stride: p (average pooling folded into L), 1 (max pooling follows L), or without pooling the spec's."""
+        return (1 if self.maxpool else self.pool) if self.pool > 1 else self.conv_stride
+
+    @property
+    def linear_kernel_size(self) -> int:
+        """k_L, the side of L's kernel: k + p - 1 (K') under average pooling, else k."""
+        return self.weight.shape[-1] + (0 if self.maxpool else self.pool - 1)
 
     @property
     def linear_shape(self) -> tuple[int, ...]:
@@ -128,9 +162,11 @@ class Conv:
 
     @property
     def output_padding(self) -> tuple[int, int]:
-        """Rows and columns L's stride drops (H mod p, W mod p): the adjoint gives them back as zeros' pull."""
+        """Rows and columns L's stride drops (H - ((H_L - 1) s - 2 q + k_L), ...; H mod p under pooling): the adjoint
+        gives them back as zeros' pull, so it returns exactly (H, W)."""
         (_, h, w), (_, lh, lw) = self.below_shape, self.linear_shape
-        return (h - lh * self.stride, w - lw * self.stride)
+        span = -2 * self.padding + self.linear_kernel_size
+        return (h - ((lh - 1) * self.stride + span), w - ((lw - 1) * self.stride + span))
 
     def linear_kernel(self) -> Tensor:
         """L's kernel: the window's once derived (with_kernel), else K under max pooling, else K' = pooled_kernel(K)."""
@@ -218,7 +254,7 @@ class Conv:
         """Written as the textbook conv then pool (not the fused kernel), so tests check one against the other."""
         x = below.reshape(below.shape[0], *self.below_shape)
         pool = F.max_pool2d if self.pooling == "max" else F.avg_pool2d
-        z = pool(F.conv2d(x, self.weight, self.bias_, padding=self.padding), self.pool)
+        z = pool(F.conv2d(x, self.weight, self.bias_, stride=self.conv_stride, padding=self.padding), self.pool)
         return -(above * z.flatten(1)).sum(1)
 
     # --- learning ---
@@ -226,14 +262,15 @@ class Conv:
     def correlation(self, above: Tensor, below: Tensor) -> Tensor:
         """sum over rows of above (x) below, the gradient of above . (L below) in K (C_out, C_in, k, k) (max pooling:
         `above` unpooled to (R, C_out, H, W), stride 1). One convolution with rows as channels, g[i, o, u, v] = sum_ryx
-        below[r, i, s y + u, s x + v] above[r, o, y, x]: 5-7x faster than unfold and a product (conv_speed)."""
+        below[r, i, s y + u, s x + v] above[r, o, y, x] (padded by q): 5-7x faster than unfold and a product
+        (conv_speed)."""
         rows, stride = below.shape[0], self.stride
-        ke = self.weight.shape[-1] + stride - 1  # L's kernel: K' under average pooling
+        ke = self.linear_kernel_size  # L's kernel: K' under average pooling
         x = self.image(below).transpose(0, 1)
         a = above.reshape(rows, *self.linear_shape).transpose(0, 1)
         g = F.conv2d(x, a, padding=self.padding, dilation=stride)[:, :, :ke, :ke].transpose(0, 1)
         # K' is linear in K (the box filter); its adjoint is the p x p box sum / p^2 at stride 1.
-        return g.contiguous() if stride == 1 else F.avg_pool2d(g, self.pool, stride=1)
+        return F.avg_pool2d(g, self.pool, stride=1) if self.pool > 1 and not self.maxpool else g.contiguous()
 
     def channel_sum(self, above: Tensor) -> Tensor:
         """(C_out,) the sum of `above` over rows and pixels: the gradient of above . b in b."""
@@ -295,21 +332,6 @@ class Conv:
         bring_under_cap(self.weight, sigma, cap, steady.correlation(u.view(1, -1), v.view(1, -1)) if clip else None)
 
 
-def workspace_bytes(below: tuple[int, ...], spec: object, rows: int, itemsize: int) -> int:
-    """Bytes a conv coupling allocates beyond the workspace at the peak of its operations over `rows` rows: a pull's
-    convolution output (full resolution before max pooling, with its argmax and unpooled plane) and the adjoint's
-    channels-last copy; the EP statistic's rows of both phases concatenated and their copies with rows as channels
-    (the correlation is one convolution); under max pooling, the int64 argmax a step keeps between its halves."""
-    channels, kernel, pool, pooling = parse_spec(spec)
-    maxpool = pooling == "max" and pool > 1
-    stride = 1 if maxpool else pool
-    linear = channels * (below[1] // stride) * (below[2] // stride)  # L's output
-    pull = 2 * linear + math.prod(below) + (3 * linear if maxpool else 0)  # argmax int64 + unpooled plane
-    statistic = 2 * (linear + math.prod(below))
-    kept = 8 * (linear // (pool * pool)) if maxpool else 0  # the argmax an even/odd step keeps for the pull down
-    return itemsize * rows * max(pull, statistic) + rows * kept
-
-
 def pooled_kernel(weight: Tensor, pool: int) -> Tensor:
     """K' (C_out, C_in, k+p-1, k+p-1) = K convolved with the p x p box / p^2: conv then avgpool as one conv."""
     return weight if pool == 1 else F.avg_pool2d(F.pad(weight, (pool - 1,) * 4), pool, stride=1)
@@ -328,12 +350,26 @@ def image_below(below: tuple[int, ...], pool: int) -> tuple[int, ...]:
     return below
 
 
-def parse_spec(spec: object) -> tuple[int, int, int, str]:
-    """(channels, kernel, pool, pooling) of a conv entry's spec {channels: C, kernel: k (odd, default 3), pool: p
-    (default 1), pooling: avg or max (default avg)}."""
+def strided_size(h: int, w: int, kernel: int, stride: int, padding: int) -> tuple[int, int]:
+    """(H', W') = ((H + 2q - k) // s + 1, ...) of a stride-s, q-padded k x k convolution of an H x W image, once
+    checked to be at least 1 x 1 (else a ValueError naming the sizes)."""
+    oh, ow = ((n + 2 * padding - kernel) // stride + 1 for n in (h, w))
+    if oh < 1 or ow < 1:
+        raise ValueError(
+            f"conv kernel {kernel} with padding {padding} and stride {stride} leaves no pixel of the {h}x{w} image "
+            f"below it (the layer above would be {max(oh, 0)}x{max(ow, 0)})"
+        )
+    return oh, ow
+
+
+def parse_spec(spec: object) -> tuple[int, int, int, str, int, int]:
+    """(channels, kernel, pool, pooling, stride, padding) of a conv entry's spec {channels: C, kernel: k (odd, default
+    3), pool: p (default 1), pooling: avg or max (default avg), stride: s (default 1), padding: q (0..k-1, default
+    k // 2)}; a stride or padding other than the default needs pool 1."""
     if not isinstance(spec, dict):
         raise ValueError(
-            f"a conv layer's spec must be a mapping {{channels: C, kernel: k, pool: p, pooling: avg|max}}, got {spec!r}"
+            "a conv layer's spec must be a mapping {channels: C, kernel: k, pool: p, pooling: avg|max, stride: s, "
+            f"padding: q}}, got {spec!r}"
         )
     unknown = sorted(set(spec) - SPEC_KEYS)
     if unknown:
@@ -341,6 +377,7 @@ def parse_spec(spec: object) -> tuple[int, int, int, str]:
     if "channels" not in spec:
         raise ValueError("a conv layer needs `channels` (the number of feature maps)")
     values = {"channels": spec["channels"], "kernel": spec.get("kernel", 3), "pool": spec.get("pool", 1)}
+    values["stride"] = spec.get("stride", 1)
     for key, v in values.items():
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SPEC:
             raise ValueError(f"conv {key} must be an integer in 1..{MAX_SPEC}, got {v!r}")
@@ -349,4 +386,21 @@ def parse_spec(spec: object) -> tuple[int, int, int, str]:
     pooling = spec.get("pooling", "avg")
     if pooling not in POOLINGS:
         raise ValueError(f"conv pooling must be one of {list(POOLINGS)}, got {pooling!r}")
-    return values["channels"], values["kernel"], values["pool"], pooling
+    kernel, pool, stride = values["kernel"], values["pool"], values["stride"]
+    padding = spec.get("padding", kernel // 2)
+    if isinstance(padding, bool) or not isinstance(padding, int) or not 0 <= padding < kernel:
+        raise ValueError(
+            f"conv padding must be an integer in 0..{kernel - 1} (below kernel {kernel}: with more, the border "
+            f"pixels of the layer above would see only padding), got {padding!r}"
+        )
+    if pool > 1 and stride > 1:
+        raise ValueError(
+            f"conv stride {stride} with pool {pool}: use one of them (stride: {stride} with pool: 1, or pool: {pool} "
+            "with stride: 1)"
+        )
+    if pool > 1 and padding != kernel // 2:
+        raise ValueError(
+            f"conv padding {padding} with pool {pool}: pooling assumes same padding (kernel // 2 = {kernel // 2}); "
+            "drop padding, or use pool: 1 (with a stride in place of the pooling)"
+        )
+    return values["channels"], kernel, pool, pooling, stride, padding

@@ -16,6 +16,8 @@ import torch
 
 from trainer2.physics.costs.retrieval import Retrieval
 from trainer2.physics.dynamics import FoldBlocks, Integrator, PhaseFn, PhaseRun, phase_function
+from trainer2.physics.graph import Graph
+from trainer2.physics.graph_steps import graph_steps
 from trainer2.physics.nudge import NudgeScheme
 from trainer2.physics.readout import RotorLayout
 from trainer2.section import ConfigError
@@ -315,6 +317,18 @@ class TritonWindow:
         self.launches += 1
 
 
-def make_phase_function(backend: Backend, integ: Integrator) -> PhaseFn:
-    """The steps function of the chosen backend."""
-    return TritonWindow() if backend.name == "triton" else phase_function(integ)
+def make_phase_function(backend: Backend, integ: Integrator, graph: Graph) -> PhaseFn:
+    """The steps function of the chosen backend, for a chain or a graph energy."""
+    if backend.name == "triton":
+        return TritonWindow()
+    return graph_steps if integ.fixed_point and not graph.is_chain else phase_function(integ)
+
+
+def graph_blocker(graph: Graph) -> str | None:
+    """Why the Triton window cannot serve an energy of this topology (it runs chains), or None."""
+    if graph.is_chain:
+        return None
+    return (
+        f"the kernels run chains, and this energy is a graph of {len(graph.edges)} couplings over "
+        f"{len(graph.names)} layers (skip couplings or boxes other than [0, 1]); its steps run in torch"
+    )
