@@ -182,9 +182,13 @@ def relax_energy(
             if pulls:
                 s, p = partial_step(s, p, pull_forces(s, x, e, group), dt, gamma, mass, group, boxes)
                 continue
-            s = [t if t.requires_grad else t.requires_grad_(True) for t in s]
+            # the partial derivative in the moving layers at the current state: taken at fresh copies of them, since
+            # the other layers were computed from their values (else autograd returns a total derivative, and under
+            # three or more colour groups its graph grows exponentially with the steps)
+            at = [t.clone() if i in group else t for i, t in enumerate(s)]
+            at = [t if t.requires_grad else t.requires_grad_(True) for t in at]
             # only the moving layers' forces: the others' would be computed and dropped (half of them under even/odd)
-            pulled = torch.autograd.grad(energy(s, x, e).sum(), [s[i] for i in group], create_graph=True)
+            pulled = torch.autograd.grad(energy(at, x, e).sum(), [at[i] for i in group], create_graph=True)
             force = [torch.zeros_like(t) for t in s]
             for i, g in zip(group, pulled):
                 force[i] = -g

@@ -11,7 +11,9 @@ it uses autograd.
 
 `train_feedforward` trains, for context, a plain feed-forward network of the same sizes (embedding,
 hidden layers, n outputs, then the same geometric readout or a linear softmax head) with backprop and
-torch.optim.Adam, from the same initial tensors, data order and held-out split.
+torch.optim.Adam, from the same initial tensors, data order and held-out split. It knows chains only: a graph energy
+(`couplings`: skips, residual blocks) has no single feed-forward order to copy, so it is refused (`--skip ff`), while
+the exact gradient works on graphs as on chains.
 """
 
 from __future__ import annotations
@@ -82,9 +84,22 @@ def exact_trainer(cfg: TrainConfig, log=print) -> Trainer:
     return Trainer(cfg.model_copy(update={"device": "cpu"}), gradients=exact_gradients, log=log)
 
 
+FF_CHAINS_ONLY = "the feed-forward baseline knows chains only, and this machine's energy is a graph (its `couplings`)"
+
+
+def check_feedforward(m: Machine) -> None:
+    """The feed-forward baseline runs a chain of built-in couplings; anything else is a ConfigError naming --skip ff."""
+    if not m.energy.graph.is_chain:
+        raise ConfigError(f"{FF_CHAINS_ONLY}: pass --skip ff")
+    if not has_pulls(m.energy):
+        raise ConfigError("the feed-forward baseline knows the built-in dense and conv couplings only: --skip ff")
+
+
 def ff_forward(m: Machine, inputs: Tensor, act: str, head: list[Tensor] | None) -> Tensor:
     """Embedding -> act(W h + b) per hidden layer -> q (B, n); then logits (B, V) through `head` [weight (V, n),
-    bias (V,)] when given, else q itself."""
+    bias (V,)] when given, else q itself. A chain's only (a graph energy is a ConfigError)."""
+    if not m.energy.graph.is_chain:
+        raise ConfigError(f"{FF_CHAINS_ONLY}: pass --skip ff")
     h = m.input_vectors(inputs)
     *hidden, out = m.energy.couplings
     for c in hidden:
@@ -114,8 +129,7 @@ def train_feedforward(
     """
     trainer = Trainer(cfg.model_copy(update={"device": "cpu"}), log=lambda *_: None)
     data, m = trainer.data, trainer.machine
-    if not has_pulls(m.energy):
-        raise ConfigError("the feed-forward baseline knows the built-in dense and conv couplings only: --skip ff")
+    check_feedforward(m)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     dtype = m.readout.protos.dtype
     head = None
@@ -180,6 +194,8 @@ def main() -> None:
     p.add_argument("--ff", action="store_true", help="also train the feed-forward backprop baseline")
     args, flags = p.parse_known_args()
     cfg = benchmark_config(args.preset, args.examples, flags, "exact_reference")
+    if args.ff and not cfg.plan().graph.is_chain:  # refused before the exact run, not after it
+        raise ConfigError(f"{FF_CHAINS_ONLY}: drop --ff")
     summary = exact_trainer(cfg).train()
     print(
         f"exact-gradient reference: held-out bpc {summary['heldout_bpc']:.4f} "

@@ -15,6 +15,9 @@ it in a second call with --parts):
   conv-epoch  the DCHN of Scellier et al. 2023 (3x3 conv layers 128-256-512-512, max pooling) on 50,000 synthetic
               3x32x32 images, batch 128, 60 free / 15 nudged steps, replayed as a CUDA graph: seconds per epoch (the
               whole epoch when it fits in its budget, else timed batches extrapolated to the epoch's 390);
+  resnet-epoch  the same for the hopfield_resnet13 preset (Hopfield-ResNet13: a graph energy of 3x3 convs, stride-2
+              convs in place of pooling and 1x1 stride-2 skips, 128-256-512-512 channels, relu6 boxes) at its own
+              steps, batch 128;
   tests       the tests that need CUDA (`pytest -m cuda`: graph capture, the compiled Triton kernels against torch, ...;
               --tests all: the whole suite);
   readout     dev batch 8 and 4096, triton+graph with the readout's loss and gradients in torch (--readout_backend
@@ -51,6 +54,7 @@ GOAL_TRITON_SPEEDUP = 5.0  # triton+graph over compile+graph windows/s, dev batc
 GOAL_KERNELS = 30  # kernels per batch step, triton+graph, dev batch 8
 GOAL_PEAK_SHARE = 30.0  # % of the fp32 peak at batch 4096
 GOAL_EPOCH_S = 20.0  # seconds per conv-machine epoch on an H100
+GOAL_RESNET_EPOCH_S = 90.0  # seconds per hopfield_resnet13 epoch (50,000 images, batch 128)
 GOAL_FIRST_WINDOW_S = 30.0  # start to the first replayed triton+graph window, cold Triton cache (issue 24)
 GOAL_GRAPH_SPEEDUP = 5.0  # graph over eager windows/s, dev batch 8
 # Non-tensor-core fp32 peaks in TFLOP/s, first match in the device name wins: the Triton dots are "ieee" FMAs, not TF32.
@@ -65,6 +69,7 @@ SMOKE_DCHN = {
     "free_steps": 3,
     "nudge_steps": 2,
 }
+SMOKE_RESNET = {"batch_size": 8, "free_steps": 3, "nudge_steps": 2}  # and the preset's couplings, shrunk (smoke_graph)
 
 
 @dataclass
@@ -112,11 +117,12 @@ class Plan:
 
 # Estimated seconds of each part on an H200 (the CUDA tests and compiling dominate), for the budget; the parts run in
 # this order, the goal rows' parts first. The "(N s in)" lines of a run give the real figures.
-ESTIMATE_S = {  # 64c1620 on an H200 took 59, 4, 5, 34, 258, 1, 1, 66 (alone), 31, 2 and 3 s
+ESTIMATE_S = {  # 64c1620 on an H200 took 59, 4, 5, 34, 258, 1, 1, 66 (alone), 31, 2 and 3 s (resnet-epoch: none yet)
     "dev8": 75,
     "graph": 15,
     "dev4096": 15,
     "conv-epoch": 45,
+    "resnet-epoch": 80,  # its timed batches stop at the epoch budget (60 s); warm-up and capture besides
     "tests": 300,  # the compile tests and the Triton window check, each in a child process
     "readout": 10,
     "frame": 10,
@@ -134,11 +140,15 @@ VARIANTS = {
 }
 
 
+# The image presets: smoke runs keep their layers (the epoch parts shrink them), not SMOKE_DENSE's
+IMAGE_PRESETS = ("conv", "hopfield_resnet13")
+
+
 def config(preset: str, smoke: bool, **overrides):
     """A preset's config with overrides (smoke: shrunk to tiny sizes on the CPU)."""
     import trainer2
 
-    small = {**SMOKE_DENSE} if smoke and preset != "conv" else {"device": "cpu"} if smoke else {}
+    small = {**SMOKE_DENSE} if smoke and preset not in IMAGE_PRESETS else {"device": "cpu"} if smoke else {}
     if smoke and preset == "conv":
         small.update(layers=[{"conv": {"channels": 4, "kernel": 3, "pool": 2}}], free_steps=3, nudge_steps=2)
     return trainer2.config(preset, **{**small, **overrides})
@@ -167,11 +177,31 @@ def synthetic_images(n: int, shape: tuple[int, int, int], classes: int, seed: in
     )
 
 
+def smoke_graph(preset: str) -> list[dict]:
+    """A graph preset's couplings at smoke sizes: the same topology (kernels, strides, paddings, the 1x1 skips), 4 or 8
+    channels in place of 128 or more."""
+    import trainer2
+
+    def shrunk(entry: dict) -> dict:
+        if "conv" not in entry:
+            return entry
+        return {**entry, "conv": {**entry["conv"], "channels": min(8, max(4, entry["conv"]["channels"] // 32))}}
+
+    return [shrunk(e) for e in trainer2.config(preset).couplings]
+
+
+def takes_images(cfg) -> bool:
+    """Whether the machine convolves its input: a chain's first layer, or a graph's coupling from the input, is conv."""
+    if cfg.couplings:
+        return any("conv" in e for e in cfg.couplings if e.get("from") == "input")
+    return bool(cfg.layers) and "conv" in cfg.layers[0]
+
+
 def data_for(cfg):
-    """The data a bench part runs on: the preset's text, or synthetic images (MNIST's shape) for the conv preset."""
+    """The data a bench part runs on: the preset's text, or synthetic images (MNIST's shape) for a conv machine."""
     from trainer2.data.load import DataConfig, load_data
 
-    if cfg.layers and "conv" in cfg.layers[0]:
+    if takes_images(cfg):
         return synthetic_images(2048, (1, 28, 28), 10, cfg.seed)
     return load_data(cfg.section(DataConfig))
 
@@ -179,27 +209,32 @@ def data_for(cfg):
 def coupling_macs(c) -> int:
     """Multiply-adds of one pull of a coupling for one row: a dense W (out x in); a conv K (C_out, C_in, k, k) at the
     resolution it runs at (max pooling: the full image below; average pooling: a stride-p conv with the (k+p-1)^2
-    kernel)."""
+    kernel; no pooling: the conv's own output, the layer above, at its stride and padding)."""
     if c.kind == "dense":
         return c.weight.numel()
     c_out, c_in, k, _ = c.weight.shape
     _, h, w = c.below_shape
-    if c.pooling == "max":
+    if c.pool > 1 and c.pooling == "max":
         return c_out * c_in * k * k * h * w
-    return c_out * c_in * (k + c.pool - 1) ** 2 * (h // c.pool) * (w // c.pool)
+    if c.pool > 1:
+        return c_out * c_in * (k + c.pool - 1) ** 2 * (h // c.pool) * (w // c.pool)
+    _, h_out, w_out = c.above_shape
+    return c_out * c_in * k * k * h_out * w_out
 
 
 def window_flops(machine, cfg, candidates: int) -> float:
     """FLOPs of one batch step's relaxation per example, counted from the machine's shapes: each phase's input drive
-    once, every step each coupling between state layers both ways, and on nudged steps the readout (y = q L^T, the
-    distances to the candidates, their pull: 2 n^2 + 2 n K). The EP statistics and the update are left out (a few %),
-    so a share of the peak from this is a lower bound."""
+    once (the couplings from the clamped input), every step each coupling between state layers both ways, and on
+    nudged steps the readout (y = q L^T, the distances to the candidates, their pull: 2 n^2 + 2 n K). The EP
+    statistics and the update are left out (a few %), so a share of the peak from this is a lower bound."""
     from trainer2.learning.rules.rule import rule_scheme
 
-    couplings = machine.energy.couplings
+    e = machine.energy
+    driven = [c for c, (below, _) in zip(e.couplings, e.graph.edges) if below < 0]  # a chain's: couplings[0]
+    between = [c for c, (below, _) in zip(e.couplings, e.graph.edges) if below >= 0]
     n, phases = cfg.coord_dim_n, max(1, rule_scheme(cfg.rule, cfg).phases)  # rbp: its adjoint, about one phase
-    chain = 2 * sum(coupling_macs(c) for c in couplings[1:])
-    drive = coupling_macs(couplings[0]) * (1 + phases)
+    chain = 2 * sum(coupling_macs(c) for c in between)
+    drive = sum(coupling_macs(c) for c in driven) * (1 + phases)
     nudged = cfg.nudge_steps * phases * (chain + 2 * n * n + 2 * n * candidates)
     return 2.0 * (drive + cfg.free_steps * (chain + n * n) + nudged)
 
@@ -303,15 +338,34 @@ def graph_part(
     return out
 
 
-def conv_epoch(plan: Plan, device: torch.device, log: Callable[[str], None]) -> dict[str, float | str]:
-    """Seconds per epoch of the DCHN-shaped conv machine, replayed as a CUDA graph (eager on the CPU), wall clock from
-    the first batch drawn to the last step done, after warm-up and capture."""
+# The epoch parts: part -> (preset, its overrides at GPU sizes, at smoke sizes, the goal row's name, the goal in s)
+EPOCH_PARTS = {
+    "conv-epoch": ("conv", DCHN, SMOKE_DCHN, "conv epoch (DCHN shape)", GOAL_EPOCH_S),
+    "resnet-epoch": ("hopfield_resnet13", {}, SMOKE_RESNET, "hopfield_resnet13 epoch", GOAL_RESNET_EPOCH_S),
+}
+
+
+def epoch_overrides(part: str, smoke: bool) -> dict:
+    """An epoch part's overrides of its preset (smoke: tiny sizes; a graph preset's couplings shrunk, smoke_graph)."""
+    preset, real, small, _, _ = EPOCH_PARTS[part]
+    if not smoke:
+        return real
+    import trainer2
+
+    return {**small, "couplings": smoke_graph(preset)} if trainer2.config(preset).couplings else small
+
+
+def image_epoch(
+    plan: Plan, device: torch.device, log: Callable[[str], None], preset: str, overrides: dict, label: str
+) -> dict[str, float | str]:
+    """Seconds per epoch of a conv preset's machine (with overrides) on synthetic images, replayed as a CUDA graph
+    (eager on the CPU), wall clock from the first batch drawn to the last step done, after warm-up and capture."""
     from trainer2.data.sampler import Sampler
     from trainer2.running.bench import make_step
     from trainer2.running.step_runner import StepRunner
 
     cuda = device.type == "cuda"
-    cfg = config("conv", plan.smoke, **(SMOKE_DCHN if plan.smoke else DCHN), augment_shift=0)
+    cfg = config(preset, plan.smoke, **{**overrides, "augment_shift": 0})
     data = synthetic_images(plan.epoch_images, plan.image, 10, cfg.seed)
     step = make_step(cfg, data, cfg.batch_size, device)
     runner = StepRunner(step, graphs=cuda, warmup_steps=cfg.warmup_steps, log=log)
@@ -342,7 +396,7 @@ def conv_epoch(plan: Plan, device: torch.device, log: Callable[[str], None]) -> 
     flops = window_flops(step.updater.m, cfg, data.num_classes) * cfg.batch_size * timed / seconds
     how = "the whole epoch" if timed == total else f"{timed} batches after warm-up, extrapolated to {total}"
     how += f", cudnn TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}" if cuda else ""
-    log(f"  conv epoch: {epoch:.1f} s ({how}; {runner.mode}); {flops / 1e12:.1f} TFLOP/s counted")
+    log(f"  {label}: {epoch:.1f} s ({how}; {runner.mode}); {flops / 1e12:.1f} TFLOP/s counted")
     return {"seconds": epoch, "how": f"{how}, {runner.mode}", "tflops": flops / 1e12}
 
 
@@ -424,13 +478,14 @@ def goal_rows(rows: list, results: dict, commit: str, device_name: str, plan: Pl
     )
     for name, value in results.get("graph", {}).items():
         row(f"graph = eager ({name})", value, "bitwise", value == "bitwise")
-    epoch = results.get("conv epoch")
-    row(
-        "conv epoch (DCHN shape)",
-        f"{epoch['seconds']:.1f} s ({epoch['how']}; {epoch['tflops']:.1f} TFLOP/s)" if epoch else "not measured",
-        f"<= {GOAL_EPOCH_S:g} s",
-        bool(epoch) and epoch["seconds"] <= GOAL_EPOCH_S,
-    )
+    for _, _, _, name, goal in EPOCH_PARTS.values():
+        epoch = results.get(name)
+        row(
+            name,
+            f"{epoch['seconds']:.1f} s ({epoch['how']}; {epoch['tflops']:.1f} TFLOP/s)" if epoch else "not measured",
+            f"<= {goal:g} s",
+            bool(epoch) and epoch["seconds"] <= goal,
+        )
     tests = results.get("tests", "not run")
     row("CUDA tests", tests, "all pass", bool(re.match(r"\d+ passed, 0 failed", tests)))
     for part, why in results.get("errors", {}).items():
@@ -514,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text, flush=True)
 
     for part in args.parts:
-        if part in plan.bench or part in ("graph", "conv-epoch", "tests"):
+        if part in plan.bench or part in EPOCH_PARTS or part in ("graph", "tests"):
             left = args.budget - (time.perf_counter() - start)
             if not args.smoke and ESTIMATE_S[part] > left:
                 log(f"{part}: skipped, its estimate {ESTIMATE_S[part]} s exceeds the {left:.0f} s left")
@@ -528,8 +583,9 @@ def main(argv: list[str] | None = None) -> int:
                         results.setdefault("graph", {}).update(graph_part(plan, device, log, FRAME_GRAPH_CASES))
                 elif part == "graph":
                     results.setdefault("graph", {}).update(graph_part(plan, device, log))
-                elif part == "conv-epoch":
-                    results["conv epoch"] = conv_epoch(plan, device, log)
+                elif part in EPOCH_PARTS:
+                    preset, _, _, name, _ = EPOCH_PARTS[part]
+                    results[name] = image_epoch(plan, device, log, preset, epoch_overrides(part, args.smoke), name)
                 elif args.tests != "none":
                     results["tests"] = cuda_tests(args.tests, args.smoke, max(60.0, left))
                     log(f"  tests: {results['tests']}")

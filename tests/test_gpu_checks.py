@@ -1,6 +1,6 @@
 """benchmarks/gpu_checks.py, which a GPU session runs, cannot rot: its CPU smoke run goes through every part a CPU can
-run (bench rows, graph = eager, the conv epoch, the FLOP count, the CUDA tests' selection) and prints the goal rows in
-the form docs/performance.md keeps, then the table of every mode."""
+run (bench rows, graph = eager, the conv and hopfield_resnet13 epochs, the FLOP count, the CUDA tests' selection) and
+prints the goal rows in the form docs/performance.md keeps, then the table of every mode."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
         "graph = eager (dense)",
         "graph = eager (conv)",
         "conv epoch (DCHN shape)",
+        "hopfield_resnet13 epoch",
         "CUDA tests",
     ):
         assert name in names, (name, names)
@@ -49,6 +50,10 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
     collected = re.search(r"CUDA tests \| (\d+) CUDA tests collected", "\n".join(lines))
     assert collected and int(collected.group(1)) >= 8  # pytest -m cuda finds the marked tests
     assert re.search(r"conv epoch \(DCHN shape\) \| [\d.]+ s \(the whole epoch, eager", "\n".join(lines))
+    # the graph preset, shrunk: its epoch ran whole, and its FLOPs were counted
+    assert re.search(
+        r"hopfield_resnet13 epoch \| [\d.]+ s \(the whole epoch, eager; [\d.]+ TFLOP/s\) \| <= 90 s", "\n".join(lines)
+    )
 
 
 def test_the_flop_count_follows_the_shapes():
@@ -60,6 +65,28 @@ def test_the_flop_count_follows_the_shapes():
     assert gpu_checks.coupling_macs(first) == 4 * 3 * 9 * 8 * 8
     assert gpu_checks.coupling_macs(second) == 8 * 4 * 9 * 4 * 4
     assert gpu_checks.coupling_macs(out) == out.weight.numel() == cfg.coord_dim_n * 8 * 2 * 2
+
+
+def test_the_smoke_resnet_is_the_presets_graph_shrunk_and_its_flops_follow_the_graph():
+    """The smoke resnet-epoch runs hopfield_resnet13's own 13 couplings (strides, 1x1 skips) at 4-8 channels; a strided
+    conv without pooling is counted at its output's size, and the drive is every coupling from the input (0 and the
+    skip 2), the rest between states both ways every step."""
+    overrides = gpu_checks.epoch_overrides("resnet-epoch", True)
+    cfg = gpu_checks.config("hopfield_resnet13", True, **overrides, augment_shift=0)
+    assert gpu_checks.takes_images(cfg)
+    full = gpu_checks.config("hopfield_resnet13", False).plan().graph
+    assert cfg.plan().graph.edges == full.edges and len(full.edges) == 13
+    data = gpu_checks.synthetic_images(16, (3, 16, 16), 10, 0)
+    machine = make_step(cfg, data, 8, torch.device("cpu")).updater.m
+    c = machine.energy.couplings
+    assert {tuple(k.weight.shape[:2]) for k in c[:-1]} <= {(4, 3), (4, 4), (8, 4), (8, 8)}
+    assert gpu_checks.coupling_macs(c[1]) == 4 * 4 * 9 * 8 * 8  # 3x3 stride 2: 16x16 -> 8x8
+    assert gpu_checks.coupling_macs(c[2]) == 4 * 3 * 1 * 8 * 8  # the 1x1 stride-2 skip from the input
+    macs = [gpu_checks.coupling_macs(k) for k in c]
+    drive, between = macs[0] + macs[2], sum(macs) - macs[0] - macs[2]
+    n, free, nudge = cfg.coord_dim_n, cfg.free_steps, cfg.nudge_steps  # its rule, ep: two nudged phases (+-beta)
+    want = 2.0 * (drive * 3 + free * (2 * between + n * n) + nudge * 2 * (2 * between + 2 * n * n + 2 * n * 10))
+    assert gpu_checks.window_flops(machine, cfg, 10) == want
 
 
 def test_the_frame_parts_graph_case_joins_the_graph_parts_and_its_error_fails_the_run(monkeypatch, capsys, tmp_path):

@@ -298,3 +298,33 @@ def test_a_residual_graph_from_yaml_trains_and_resumes_bitwise_identical(tmp_pat
     assert whole["param.W_2"].shape == (3, 2, 3, 3) and whole["param.W_3"].shape == (3, 2, 1, 1)
     for k in whole:
         assert torch.equal(whole[k], cut[k]), k
+
+
+def test_code_a_graphs_couplings_name_in_a_file_needs_consent():
+    """A dotted coupling kind in a file's `couplings` is refused before anything imports it, as one in `layers` is."""
+    from trainer2.components import UntrustedCodeError
+    from trainer2.train_config import build_config
+
+    values = {"layers": [{"name": "h1"}], "couplings": [{"nowhere_module.Wide": 8, "from": "input", "to": "h1"}]}
+    with pytest.raises(UntrustedCodeError, match=r"couplings\[0\] 'nowhere_module.Wide'"):
+        build_config([("config graph.yaml", values)])
+
+
+def test_hopfield_resnet13_builds_and_trains_a_few_windows_on_the_cpu(tmp_path):
+    """The field's topology as the preset ships it (channels, boxes, couplings), on small 3x16x16 images at batch 2:
+    it builds, relaxes in its three colour groups and takes finite updates."""
+    import numpy as np
+
+    import trainer2
+
+    cfg = trainer2.config(
+        "hopfield_resnet13", batch_size=2, free_steps=2, nudge_steps=1, max_windows=2, eval_every_windows=0,
+        eval_batches=1, cpu_threads=1, augment_shift=0,
+    )  # fmt: skip
+    graph = cfg.plan().graph
+    assert len(graph.edges) == 13 and len(graph.colouring) == 3 and all(b == (0.0, 6.0) for b in graph.boxes)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((12, 3, 16, 16)).astype(np.float32), rng.integers(0, 10, 12)
+    run = trainer2.train(cfg, trainer2.from_arrays(x, y, heldout_fraction=0.25), run_dir=tmp_path / "r")
+    assert run.summary["windows"] == 2 and not run.summary["diverged"] and run.summary["dropped_updates"] == 0
+    assert math.isfinite(run.summary["heldout_loss"])

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 
+import numpy as np
 import pytest
 from test_quality import FAST
 
-from benchmarks import quality_seeds
+from benchmarks import quality, quality_seeds
+from benchmarks.exact_gradient_reference import train_feedforward
+from trainer2.train_config import ConfigError
 
 
 def test_seed_lists_and_the_summary():
@@ -39,6 +43,34 @@ def test_two_seeds_side_by_side_then_resumed_without_rerunning(tmp_path, small_t
     assert quality_seeds.main(["--seeds", "0-1", "--out", str(out), "--", *flags]) == 0
     assert "started" not in capsys.readouterr().out  # both JSONs there: nothing runs again
     assert [(out / f"quality-s{s}.json").stat().st_mtime_ns for s in (0, 1)] == stamps
+
+
+def test_a_graph_machine_runs_ep_against_exact_end_to_end(tmp_path, capsys):
+    """conv_res (a residual conv graph: strided convs, a skip, three colour groups) on tiny images: the sweep's one seed
+    trains EP and the exact reference and writes a finite ratio and cosine; the feed-forward baseline, which knows
+    chains only, is refused before any run unless skipped."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "digits.npz"
+    np.savez(data, x=rng.integers(0, 256, (48, 8, 8)).astype(np.uint8), y=np.arange(48) % 3)
+    flags = ["--preset", "conv_res", "--data", str(data), "--heldout_fraction", "0.25", "--examples", "16"]
+    flags += ["--batch_size", "8", "--free_steps", "4", "--nudge_steps", "2", "--cosine_batches", "1"]
+    flags += ["--eval_batches", "1", "--cpu_threads", "1"]
+    out = tmp_path / "sweep"
+    assert quality_seeds.main(["--seeds", "0", "--out", str(out), "--", *flags]) == 2  # ff is on by default
+    captured = capsys.readouterr()
+    assert "knows chains only" in captured.err and "--skip ff" in captured.err and "started" not in captured.out
+    _, cfg = quality.parse([*flags, "--skip", "ff", "--checkpoint_dir", str(tmp_path / "ff")])
+    with pytest.raises(ConfigError, match="knows chains only.*--skip ff"):  # the baseline itself, called anyway
+        train_feedforward(cfg, 16)
+    assert quality_seeds.main(["--seeds", "0", "--out", str(out), "--", *flags, "--skip", "ff"]) == 0
+    text = capsys.readouterr().out
+    run = json.loads((out / "quality-s0.json").read_text())
+    assert [c["to"] for c in run["config"]["couplings"]] == ["a", "b", "c", "c"]  # the graph it trained
+    assert run["ep"]["examples_seen"] == run["exact"]["examples_seen"] == 16 and "ff" not in run
+    figures = [run["ep"]["heldout_loss"], run["exact"]["heldout_loss"], run["ratio"], run["cosine"]["all"]]
+    assert all(math.isfinite(f) for f in figures) and run["ratio"] > 0
+    assert run["ratio"] == pytest.approx(run["ep"]["heldout_loss"] / run["exact"]["heldout_loss"])
+    assert f"mean {run['ratio']:.4f}" in text
 
 
 def test_a_failed_seed_is_named_with_its_log(tmp_path, capsys):
