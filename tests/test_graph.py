@@ -328,3 +328,12 @@ def test_hopfield_resnet13_builds_and_trains_a_few_windows_on_the_cpu(tmp_path):
     run = trainer2.train(cfg, trainer2.from_arrays(x, y, heldout_fraction=0.25), run_dir=tmp_path / "r")
     assert run.summary["windows"] == 2 and not run.summary["diverged"] and run.summary["dropped_updates"] == 0
     assert math.isfinite(run.summary["heldout_loss"])
+
+
+def test_dead_units_are_counted_at_each_layers_own_faces():
+    """A relu6 unit at 6 for every row is dead (it gets no EP gradient); at 1 it is not."""
+    from trainer2.physics.dead_units import dead_units
+
+    h = torch.tensor([[6.0, 1.0, 0.0, 3.0], [6.0, 1.0, 0.0, 2.0]])
+    assert int(dead_units([h], torch.device("cpu"), ((0.0, 6.0),))) == 2  # units 0 (at 6) and 2 (at 0)
+    assert int(dead_units([h], torch.device("cpu"))) == 2  # in a unit box: units 1 (at 1) and 2 (at 0)

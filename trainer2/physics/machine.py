@@ -201,7 +201,9 @@ class Machine:
     @property
     def context_len(self) -> int:
         """Tokens per example of a text machine (emb is set): its input is that many embeddings side by side."""
-        return math.prod(self.energy.couplings[0].below_shape) // self.emb.shape[1]
+        e = self.energy
+        first = next(c for c, (below, _) in zip(e.couplings, e.graph.edges) if below < 0)  # a coupling from x
+        return math.prod(first.below_shape) // self.emb.shape[1]
 
     def input_vectors(self, inputs: Tensor) -> Tensor:
         """The clamped input x (B, D): concatenated context embeddings, or the features themselves."""

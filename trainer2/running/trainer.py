@@ -249,7 +249,8 @@ class Trainer:
         """One device-to-host transfer of every accumulated metric (summed over the ranks), then reset them."""
         st = self.updater.state
         self.dist.check_in(self.updater.metrics.values, self.params.tensors, everywhere=True)  # all ranks' sums
-        dead = dead_units(self.relaxation.s0.s[:-1], self.device)  # at the last window's free equilibrium
+        boxes = self.machine.energy.graph.boxes
+        dead = dead_units(self.relaxation.s0.s[:-1], self.device, boxes)  # at the last window's free equilibrium
         sums, (lr, dropped_total, dead) = self.updater.metrics.read(st.lr, st.dropped, dead)
         p, (t0, w0) = self.progress, self.interval
         speed = (p.window - w0) / max(time.perf_counter() - t0, 1e-9)
