@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from test_conv import conv_machine
 from test_window import NewStorage
 from tiny import tiny_batch, tiny_config, tiny_machine
 
@@ -51,16 +52,7 @@ def dense_graph(**overrides):
 
 
 def conv_graph(**overrides):
-    cfg = TrainConfig(**{**tiny_config().model_dump(), "layers": CONV_LAYERS, "couplings": CONV_GRAPH, **overrides})
-    m = build_machine(cfg, 5, math.prod(IMAGE), False, torch.device("cpu"), IMAGE, seed=cfg.seed)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for c in m.energy.couplings:
-            c.bias_.copy_(torch.randn(c.bias_.shape, generator=gen, dtype=F64) * 0.3)
-        m.readout.theta.copy_(torch.randn(m.readout.theta.shape, generator=gen, dtype=F64))
-        m.readout.g_diag.copy_(torch.rand(m.readout.g_diag.shape, generator=gen, dtype=F64) * 1.5 + 0.5)
-    x = torch.rand(cfg.batch_size, math.prod(IMAGE), generator=gen, dtype=F64)
-    return cfg, m, x, torch.randint(0, 5, (cfg.batch_size,), generator=gen)
+    return conv_machine(CONV_LAYERS, image=IMAGE, couplings=CONV_GRAPH, **overrides)
 
 
 def case(kind: str, **overrides):
