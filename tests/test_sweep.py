@@ -68,11 +68,17 @@ def test_a_sweep_runs_ordinary_trials_writes_its_results_and_resumes(here, capsy
     rows = list(csv.DictReader(open(folder / "trials.csv")))
     assert [r["state"] for r in rows] == ["COMPLETE"] * 4
     values = [float(r["value"]) for r in rows]
-    assert values == sorted(values, reverse=True)  # accuracy: best (highest) first
+    assert values == sorted(values)  # the validation loss: best (lowest) first
     assert set(rows[0]) >= {"number", "value", "state", "eta_update", "free_steps", "windows", "seconds"}
     study = study_of(folder)
+    assert study.direction.name == "MINIMIZE" and study.user_attrs["objective"] == "validation_loss"
     assert study.best_value == values[0] and rows[0]["windows"] == "9"
-    assert "held-out acc" in out and "wall time" in out
+    best_summary = yaml.safe_load((folder / f"trial-{rows[0]['number']}/summary.json").read_text())
+    assert study.best_value == best_summary["validation_loss"]  # the value is the trial's own validation loss
+    first = study.trials[0]  # the sweep starts from the config it was given: the dev preset's own values
+    assert first.params == {"eta_update": 0.004, "free_steps": 6} and first.user_attrs["start"] is True
+    assert len({t.params["eta_update"] for t in study.trials}) == 4
+    assert "validation / held-out loss" in out and ", acc " in out and "wall time" in out
     best = yaml.safe_load((folder / "best.yaml").read_text())
     assert best["base"] == "dev" and best["eta_update"] == study.best_params["eta_update"] and "run_name" not in best
     assert main(["--preset", str(folder / "best.yaml"), "--print_config"]) == 0  # a preset that runs as is
@@ -139,6 +145,53 @@ def test_the_pruner_stops_hopeless_trials_at_an_evaluation(here, capsys):
         summary = yaml.safe_load((here / f"checkpoints/sweeps/dev-poor/trial-{t.number}/summary.json").read_text())
         assert summary["interrupted"] == "pruned"
     assert "best: trial" in capsys.readouterr().out
+
+
+def test_objective_acc_ranks_by_accuracy_and_a_study_keeps_its_objective(here, capsys):
+    """--objective acc maximises validation accuracy; a study made by a trainer2 before --objective (it maximised
+    accuracy, and recorded nothing) is refused under the default loss with the flag that continues it."""
+    optuna.create_study(study_name="dev-space", storage=f"sqlite:///{here / 'old.db'}", direction="maximize")
+    assert main(sweep_args("--storage", f"sqlite:///{here / 'old.db'}", trials=2)) == 2
+    err = capsys.readouterr().err
+    assert "ranks its trials by validation_acc" in err and "--objective acc" in err and "Traceback" not in err
+    assert main(sweep_args("--storage", f"sqlite:///{here / 'old.db'}", "--objective", "acc", "--pruner", "none",
+                           trials=3)) == 0  # fmt: skip
+    folder = here / "checkpoints/sweeps/dev-space"
+    rows = list(csv.DictReader(open(folder / "trials.csv")))
+    values = [float(r["value"]) for r in rows]
+    assert len(rows) == 3 and values == sorted(values, reverse=True)  # accuracy: best (highest) first
+    summary = yaml.safe_load((folder / f"trial-{rows[0]['number']}/summary.json").read_text())
+    assert values[0] == summary["validation_acc"]
+    assert "validation / held-out acc" in capsys.readouterr().out
+
+
+GRAPH = """layers: [{name: h}]
+couplings:
+  - {dense: 8, from: input, to: h}
+"""
+
+
+def test_a_coupling_key_the_config_does_not_set_can_be_swept(here, capsys):
+    """couplings.0.gain names a key the graph's first coupling takes but does not set: each trial's config sets it to
+    the trial's value; a key the coupling does not take is refused by the config's own message before any trial."""
+    (here / "graph.yaml").write_text(GRAPH)
+    (here / "gains.yaml").write_text("couplings.0.gain: {low: 0.5, high: 2.0}\ncouplings.0.lr: {choices: [0.5, 2.0]}\n")
+    args = [a for a in sweep_args("--config", "graph.yaml", "--pruner", "none", space="gains.yaml", trials=2)]
+    drop = args.index("--layers")
+    args = args[:drop] + args[drop + 2 :]  # the graph's layers come from graph.yaml
+    assert main(args) == 0
+    folder = here / "checkpoints/sweeps/dev-gains"
+    study = study_of(folder)
+    assert "start" not in study.trials[0].user_attrs  # no value of the base lies in the space: all proposed
+    for t in study.trials:
+        cfg = yaml.safe_load((folder / f"trial-{t.number}/config.yaml").read_text())
+        entry = cfg["couplings"][0]
+        assert entry["gain"] == t.params["couplings.0.gain"] and entry["lr"] == t.params["couplings.0.lr"]
+        assert entry["dense"] == 8 and entry["to"] == "h"
+    (here / "typo.yaml").write_text("couplings.0.gian: {low: 0.5, high: 2.0}\n")
+    assert main([*args[:2], "typo.yaml", *args[3:]]) == 2
+    err = capsys.readouterr().err
+    assert "couplings.0.gian: the config refuses" in err and "gian" in err and "Traceback" not in err
 
 
 def test_sweep_from_python(here):

@@ -1,6 +1,7 @@
 """`trainer2 sweep --space FILE [--trials N] [--workers N] [--storage URL] [--study NAME] [--sweep_dir DIR]
-[--pruner median|hyperband|none] [--preset ...] [--FIELD VALUE ...]`: the sweep's flags, then any trainer flags,
-which every trial takes. `--workers N` starts N - 1 more processes of the same command on the same storage."""
+[--pruner median|hyperband|none] [--objective loss|acc] [--preset ...] [--FIELD VALUE ...]`: the sweep's flags, then
+any trainer flags, which every trial takes. `--workers N` starts N - 1 more processes of the same command on the same
+storage."""
 
 from __future__ import annotations
 
@@ -15,18 +16,20 @@ from trainer2.flags import add_config_flags, add_trust_flag, config_layers, user
 from trainer2.io.console import say
 from trainer2.io.parser import Parser
 from trainer2.running.signals import StopSignals, exit_code
-from trainer2.running.sweep import PRUNERS, plan, report, work
+from trainer2.running.sweep import OBJECTIVES, PRUNERS, plan, report, work
 from trainer2.running.sweep_study import import_optuna, open_storage, open_study
 from trainer2.section import ConfigError
 
-SWEEP_FLAGS = ("space", "trials", "workers", "storage", "study", "sweep_dir", "pruner", "worker_index", "report")
+SWEEP_FLAGS = (
+    "space", "trials", "workers", "storage", "study", "sweep_dir", "pruner", "objective", "worker_index", "report"
+)  # fmt: skip
 
 
 def sweep_parser() -> Parser:
     p = Parser(
         prog="trainer2 sweep",
         usage="trainer2 sweep --space FILE [--trials N] [--workers N] [--storage URL] [--study NAME] "
-        "[--sweep_dir DIR] [--pruner median|hyperband|none] [--preset NAME] [--FIELD VALUE ...]",
+        "[--sweep_dir DIR] [--pruner median|hyperband|none] [--objective loss|acc] [--preset NAME] [--FIELD VALUE ...]",
         description="Search config fields with Optuna (TPE): each trial is a run in <sweep_dir>/trial-<N>/, scored on "
         "the validation split; the same command again resumes the study.",
     )
@@ -39,6 +42,13 @@ def sweep_parser() -> Parser:
         "--sweep_dir", metavar="DIR", help="Folder of the trials and results (default <checkpoint_dir>/sweeps/<study>)."
     )
     p.add_argument("--pruner", choices=PRUNERS, default="median", help="Stops hopeless trials at an evaluation.")
+    p.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="loss",
+        help="What trials are ranked by on the validation split: the loss (bits per character for text), minimised "
+        "(default), or the accuracy, maximised.",
+    )
     p.add_argument(
         "--worker_index",
         type=int,
@@ -75,6 +85,7 @@ def cmd_sweep(argv: list[str]) -> int:
         study=args.study,
         sweep_dir=args.sweep_dir,
         pruner=args.pruner,
+        objective=args.objective,
         trust_code=args.trust_code,
         worker_index=args.worker_index,
         hint=hint,
@@ -82,7 +93,7 @@ def cmd_sweep(argv: list[str]) -> int:
     )
     started = time.perf_counter()
     storage = open_storage(p.storage)
-    study = open_study(storage, p.study, p.direction, p.pruner, p.seed)  # made before other workers start
+    study = open_study(storage, p.study, p.objective, p.direction, p.pruner, p.seed)  # before other workers start
     children = [
         subprocess.Popen(worker_command(argv, args.worker_index + k, p.storage)) for k in range(1, args.workers)
     ]

@@ -5,6 +5,10 @@ any trial starts, and the values a trial's suggestions make of it.
     free_steps: {low: 4, high: 12}                       # an int field: an int range (step: 2 for every other)
     relaxation: {choices: [jacobi, even_odd]}            # one of these values
     layers.0.dense: {low: 8, high: 64}                   # inside a list or mapping field: the first layer's size
+    couplings.3.gain: {low: 0.5, high: 2.0, log: true}   # a key the entry may take but does not set yet
+
+The sweep's first trial takes the base config's own values (where they lie in the space), so the config a sweep
+starts from is scored beside what it proposes.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ Layers = list[tuple[str, dict[str, Any]]]
 # be scored on the same validation split, or the values are not comparable).
 FIXED = ("run_name", "checkpoint_dir", "data", "data_format", "label_column", "heldout_fraction", "validation_fraction")
 RANGE_KEYS, CHOICE_KEYS = {"low", "high", "log", "step"}, {"choices"}
+UNSET = object()  # the value of a mapping's key the base config does not set (the config's default applies)
 
 
 @dataclass(frozen=True)
@@ -99,17 +104,21 @@ def parse_param(where: str, name: str, spec: Any, base: TrainConfig) -> Param:
     if step is not None and not 0 < step <= high - low:
         raise ConfigError(f"{where}: {name}: step must be in (0, high - low], got {step}")
     whole = all(isinstance(v, int) for v in (low, high) if v is not None) and isinstance(step or 1, int)
-    kind = "int" if whole and isinstance(current(base, name), int) else "float"
+    kind = "int" if whole and isinstance(current(base, name), int) else "float"  # an unset key: a float range
     return Param(name, kind, float(low), float(high), log, None if step is None else float(step))
 
 
 def target(cfg: TrainConfig, name: str, where: str = "space") -> tuple[str, list[str | int]]:
-    """(field, path inside it) of a swept name; a path that does not lead to an existing entry is refused."""
+    """(field, path inside it) of a swept name; a path that does not lead to an existing entry is refused, except a
+    last key of a mapping (whether the config takes that key is the config's to say: check_space)."""
     field, *rest = name.split(".")
     value: Any = getattr(cfg, field)
     path: list[str | int] = []
-    for part in rest:
+    for i, part in enumerate(rest):
         key: str | int = int(part) if part.isdigit() and isinstance(value, list) else part
+        if i == len(rest) - 1 and isinstance(value, dict) and key not in value:
+            path.append(key)
+            break
         try:
             value = value[key]
         except (KeyError, IndexError, TypeError):
@@ -122,11 +131,30 @@ def target(cfg: TrainConfig, name: str, where: str = "space") -> tuple[str, list
 
 
 def current(cfg: TrainConfig, name: str) -> Any:
+    """The base config's value of a swept name; UNSET for a mapping's key it does not set."""
     field, path = target(cfg, name)
     value: Any = getattr(cfg, field)
     for key in path:
+        if isinstance(value, dict) and key not in value:
+            return UNSET
         value = value[key]
     return value
+
+
+def in_space(p: Param, value: Any) -> bool:
+    """Whether `value` is one that p's range or choices can propose."""
+    if p.kind == "choice":
+        return any(value == c and type(value) is type(c) for c in p.choices)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not p.low <= value <= p.high:
+        return False
+    return p.step is None or math.isclose((value - p.low) / p.step, round((value - p.low) / p.step), abs_tol=1e-9)
+
+
+def start_values(params: list[Param], base: TrainConfig) -> dict[str, Any]:
+    """The first trial's values: the base config's own, for each swept name whose value lies in its range (the
+    others are proposed by the sampler)."""
+    values = {p.name: current(base, p.name) for p in params}
+    return {p.name: values[p.name] for p in params if in_space(p, values[p.name])}
 
 
 def fields_of(values: dict[str, Any], base: TrainConfig) -> dict[str, Any]:

@@ -82,8 +82,9 @@ def open_storage(url: str) -> Any:
         raise ConfigError(f"--storage {shown(url)} cannot be used: {first[:300]}") from None
 
 
-def open_study(storage: Any, name: str, direction: str, pruner: str, seed: int) -> Any:
-    """The study `name` in `storage`, made if new; one made for the other direction (other data) is refused."""
+def open_study(storage: Any, name: str, objective: str, direction: str, pruner: str, seed: int) -> Any:
+    """The study `name` in `storage`, made if new (recording its objective, a summary key); one made for another
+    objective is refused."""
     optuna = import_optuna()
     pruners = {
         "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
@@ -98,10 +99,16 @@ def open_study(storage: Any, name: str, direction: str, pruner: str, seed: int) 
         sampler=optuna.samplers.TPESampler(seed=seed),
         pruner=pruners[pruner](),
     )
-    if study.direction.name.lower() != direction:
+    made = study.direction.name.lower()
+    if not study.get_trials(deepcopy=False) and "objective" not in study.user_attrs and made == direction:
+        study.set_user_attr("objective", objective)
+    # A study of a trainer2 before --objective has no record of it: it maximised accuracy, or minimised text's bpc.
+    had = study.user_attrs.get("objective", "validation_acc" if made == "maximize" else "validation_bpc")
+    if had != objective:
+        flag = "acc" if had == "validation_acc" else "loss"
         raise ConfigError(
-            f"study {name!r} in this storage was made to {study.direction.name.lower()} its objective, this sweep "
-            f"would {direction} it (other data?): pass another --study"
+            f"study {name!r} in this storage ranks its trials by {had}, this sweep by {objective}: pass "
+            f"--objective {flag} to continue it (or another --study)"
         )
     return study
 
