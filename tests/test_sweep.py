@@ -182,7 +182,8 @@ def test_a_coupling_key_the_config_does_not_set_can_be_swept(here, capsys):
     assert main(args) == 0
     folder = here / "checkpoints/sweeps/dev-gains"
     study = study_of(folder)
-    assert "start" not in study.trials[0].user_attrs  # no value of the base lies in the space: all proposed
+    first = study.trials[0]  # the base's gain (unset: 1) lies in the space, its lr (1) is no choice: proposed
+    assert first.user_attrs["start"] is True and first.params["couplings.0.gain"] == 1.0
     for t in study.trials:
         cfg = yaml.safe_load((folder / f"trial-{t.number}/config.yaml").read_text())
         entry = cfg["couplings"][0]
@@ -265,3 +266,36 @@ def test_a_worker_killed_mid_trial_is_retried_once_from_its_checkpoint(here):
     first = int(saved[-1].removeprefix("step_"))
     assert yaml.safe_load(telemetry[0])["window"] > first  # it continued from the killed trial's checkpoint
     assert f"retried as trial {retry.number}" in (folder / "trials.csv").read_text()
+
+
+def test_sigterm_stops_a_worker_saved_and_the_same_command_continues_its_trial(here):
+    """SIGTERM mid-trial: the worker saves the trial's checkpoint at the window it stopped, records the trial as failed
+    ("stopped by SIGTERM"), queues it again and exits 128 + 15; the same command continues it from that checkpoint."""
+    args = [sys.executable, "-m", "trainer2", *sweep_args("--max_windows", "300", "--save_every_windows", "50",
+            "--eval_every_windows", "100", "--pruner", "none", trials=2)]  # fmt: skip
+    worker = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    folder = here / "checkpoints/sweeps/dev-space"
+    while not list(folder.glob("trial-*/step_*")):  # inside a trial that has begun saving
+        assert worker.poll() is None, "the sweep ended before it could be stopped mid-trial"
+        time.sleep(0.05)
+    worker.send_signal(signal.SIGTERM)
+    _, err = worker.communicate(timeout=300)
+    assert worker.returncode == 128 + signal.SIGTERM, err
+    study = study_of(folder)
+    (stopped,) = [t for t in study.trials if t.state.name == "FAIL"]
+    assert "stopped by SIGTERM" in stopped.user_attrs["reason"]
+    summary = yaml.safe_load((folder / f"trial-{stopped.number}/summary.json").read_text())
+    assert summary["interrupted"] == "SIGTERM" and summary["windows"] < 300
+    last = sorted((folder / f"trial-{stopped.number}").glob("step_*"))[-1]
+    assert int(last.name.removeprefix("step_")) == summary["windows"]  # saved where it stopped
+    (queued,) = [t for t in study.trials if t.state.name == "WAITING"]
+    assert queued.user_attrs["retry_of"] == stopped.number
+    again = subprocess.run(args, capture_output=True, text=True, timeout=600)  # the same command again
+    assert again.returncode == 0, again.stderr
+    study = study_of(folder)
+    assert counted(study) == 2
+    (retry,) = [t for t in study.trials if t.user_attrs.get("retry_of") == stopped.number]
+    assert retry.state.name == "COMPLETE" and retry.user_attrs["windows"] == 300 and retry.params == stopped.params
+    telemetry = (folder / f"trial-{retry.number}/telemetry.jsonl").read_text().splitlines()
+    first = yaml.safe_load(telemetry[0])["window"]  # a row every 3 windows: the first after the stop's checkpoint
+    assert summary["windows"] < first <= summary["windows"] + 3

@@ -160,11 +160,11 @@ def plan(layers: list[dict[str, Any]], couplings: list[dict[str, Any]], n: int, 
                 why = "only one coupling reaches output" if head is not None else "it is the dense head into q"
                 why = "output is reached from a state layer, not the input" if below < 0 else why
                 raise ValueError(f"{where}: {why}; write it as {{from: LAYER, to: {OUTPUT}, gain: G, lr: R}}")
-            head = (below, gain if "gain" in entry else out_scale, lr)
+            head = (below, gain if "gain" in entry else unset_value(entry, "gain", out_scale), lr)
             continue
         kind, spec = only_item(rest, where)
         edges.append((below, above))
-        entries.append(CouplingEntry(kind, spec, gain if "gain" in entry else 1.0, lr if "lr" in entry else 1.0))
+        entries.append(CouplingEntry(kind, spec, gain if "gain" in entry else 1.0, lr))
     below, gain, lr = head if head is not None else (len(names) - 1, out_scale, 1.0)
     edges.append((below, len(names)))
     entries.append(CouplingEntry("dense", n, gain, lr))
@@ -202,6 +202,14 @@ def only_item(entry: dict[str, Any], where: str) -> tuple[str, object]:
         raise ValueError(f"{where}: expected one {{KIND: SPEC}} entry (dense, conv or module.Class), got {entry!r}")
     ((kind, spec),) = entry.items()
     return kind, spec
+
+
+def unset_value(entry: dict[str, Any], key: str, out_scale: float) -> float | None:
+    """What a coupling entry's `gain` or `lr` is when the entry does not set it (the head's gain: the config's
+    out_init_scale; otherwise 1); None for any other key."""
+    if key == "gain" and entry.get("to") == OUTPUT:
+        return out_scale
+    return 1.0 if key in ("gain", "lr") else None
 
 
 def scalar(entry: dict[str, Any], key: str, where: str, high: float) -> float:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer2.physics.graph import unset_value
 from trainer2.presets import read_mapping
 from trainer2.section import ConfigError, short_repr
 from trainer2.train_config import TrainConfig, build_config
@@ -131,12 +132,15 @@ def target(cfg: TrainConfig, name: str, where: str = "space") -> tuple[str, list
 
 
 def current(cfg: TrainConfig, name: str) -> Any:
-    """The base config's value of a swept name; UNSET for a mapping's key it does not set."""
+    """The base config's value of a swept name: for a coupling's unset gain or lr the value it then takes; UNSET for
+    any other key of a mapping that the config does not set."""
     field, path = target(cfg, name)
     value: Any = getattr(cfg, field)
     for key in path:
         if isinstance(value, dict) and key not in value:
-            return UNSET
+            coupling = field == "couplings" and len(path) == 2
+            known = unset_value(value, str(key), cfg.out_init_scale) if coupling else None
+            return UNSET if known is None else known
         value = value[key]
     return value
 
