@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(base)
     tol, worst = tolerance(base, args.steps), 0.0
     print(f"fused update vs torch update: {device}, {base.dtype}, {args.steps} steps, tolerance {tol:.3g}")
-    for rule in ("adam", "momentum"):
+    for rule in ("adam", "momentum", "nesterov"):
         for name, fields in VARIANTS.items():
             cfg = base.model_copy(update={"update_rule": rule, "update_backend": "triton", **fields})
             errors, facts = compare(cfg, device, args.steps, drop_at=args.steps // 2)

@@ -22,7 +22,7 @@ def make_state(flat, rule: str) -> UpdateState:
     )
 
 
-@pytest.mark.parametrize("rule", ["momentum", "adam"])
+@pytest.mark.parametrize("rule", ["momentum", "nesterov", "adam"])
 def test_update_matches_torch_optim(rule):
     cfg = tiny_config(update_rule=rule, momentum=0.8, adam_beta2=0.99, adam_eps=1e-8)
     gen = torch.Generator().manual_seed(0)
@@ -36,8 +36,8 @@ def test_update_matches_torch_optim(rule):
         {"params": [ref[1]], "lr": 0.15, "weight_decay": 0.0},
     ]
     opt = (
-        torch.optim.SGD(groups, momentum=0.8)
-        if rule == "momentum"
+        torch.optim.SGD(groups, momentum=0.8, nesterov=rule == "nesterov")
+        if rule != "adam"
         else torch.optim.Adam(groups, betas=(0.8, 0.99), eps=1e-8)
     )
     st = make_state(flat, rule)
@@ -51,7 +51,7 @@ def test_update_matches_torch_optim(rule):
         assert torch.allclose(a, b.detach(), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("rule", ["momentum", "adam"])
+@pytest.mark.parametrize("rule", ["momentum", "nesterov", "adam"])
 def test_non_finite_gradient_drops_the_whole_update_and_counts_it(rule):
     cfg = tiny_config(update_rule=rule)
     flat = torch.ones(5, dtype=torch.float64)

@@ -37,10 +37,12 @@ class UpdateConfig(Section):
     )
     eta_readout_scale: float = Field(1.0, gt=0.0, description="Readout learning rate as a multiple of eta_update.")
     eta_embed_scale: float = Field(1.0, gt=0.0, description="Embedding learning rate as a multiple of eta_update.")
-    update_rule: Literal["momentum", "adam"] = Field(
-        "adam", description="Hand-written update: heavy-ball momentum or Adam."
+    update_rule: Literal["momentum", "nesterov", "adam"] = Field(
+        "adam",
+        description="Hand-written update: heavy-ball momentum, Nesterov momentum (torch.optim.SGD's nesterov=True, "
+        "the field's SGD recipe) or Adam.",
     )
-    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Heavy-ball momentum, or Adam's beta1.")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Heavy-ball or Nesterov momentum, or Adam's beta1.")
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam's second-moment decay.")
     adam_eps: float = Field(1e-8, gt=0.0, description="Adam's denominator epsilon.")
     weight_decay: float = Field(0.0, ge=0.0, description="L2 weight decay on the energy couplings.")
@@ -147,7 +149,8 @@ def flat_update(
     step: Tensor,
 ) -> Tensor:
     """One step of every parameter at once, over flat (P,) buffers: heavy-ball (buf = momentum * buf + grad,
-    p -= lr * mult * buf) or Adam (momentum as beta1, bias-corrected); grad includes decay * p; mult None is 1.
+    p -= lr * mult * buf), Nesterov (the same buf, p -= lr * mult * (momentum * buf + grad)) or Adam (momentum as
+    beta1, bias-corrected); grad includes decay * p; mult None is 1.
     Subnormal entries of the moments end as 0 (trainer2.learning.subnormals).
 
     A non-finite gradient anywhere drops the whole update (buffers and parameters untouched) by a
@@ -164,6 +167,9 @@ def flat_update(
     if cfg.update_rule == "momentum":
         st.bufs.mul_(1.0 + ok * (mu - 1.0)).add_(grad)  # decay by momentum, or keep when dropped (grad is 0 then)
         torch.mul(st.bufs, st.lr * ok, out=step)
+    elif cfg.update_rule == "nesterov":
+        st.bufs.mul_(1.0 + ok * (mu - 1.0)).add_(grad)
+        torch.mul(st.bufs, mu, out=step).add_(grad).mul_(st.lr * ok)  # the step looks ahead along the new buf
     else:
         b2 = cfg.adam_beta2
         st.count.add_(ok)
@@ -194,6 +200,7 @@ def fused_update(table: ParamTable, cfg: UpdateConfig, spec: MachineConfig):
     return FusedUpdate(
         table.flat,
         cfg.update_rule == "adam",
+        cfg.update_rule == "nesterov",
         cfg.momentum,
         cfg.adam_beta2,
         cfg.adam_eps,

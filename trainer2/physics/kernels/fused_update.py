@@ -1,7 +1,7 @@
 """The update of every parameter over the flat parameter buffer in one Triton launch (after grad_sums_kernel, which sums
-the gradient for the drop decision): heavy-ball momentum or Adam, the dropped-update mask, weight decay, per-element
-learning-rate multipliers, the subnormal flush of the moments, and the readout's clamps (g_diag to [g_min, g_max],
-r_sc >= r_min, theta wrapped to [-pi, pi)). The spectral cap's power iterations, products of the weight matrices
+the gradient for the drop decision): heavy-ball or Nesterov momentum or Adam, the dropped-update mask, weight decay,
+per-element learning-rate multipliers, the subnormal flush of the moments, and the readout's clamps (g_diag to [g_min,
+g_max], r_sc >= r_min, theta wrapped to [-pi, pi)). The spectral cap's power iterations, products of the weight matrices
 rather than elementwise work, follow in launches of their own (kernels/cap_power.py, one per dense coupling that fits
 one program; the couplings' own `cap_power` otherwise).
 
@@ -11,8 +11,8 @@ order and rounding (torch's lerp and addcmul round once on the CPU, so they are 
 can differ: Adam's bias corrections b^t are exp2(t log2 b) in float64 rounded to the parameters' dtype, where torch
 calls pow (Triton has pow only in CUDA's libdevice, which its interpreter cannot run); Adam's sqrt is correctly rounded
 here (as CUDA's), torch's vectorised CPU sqrt is not always; and on the GPU Triton fuses a multiply and an add that
-torch's separate kernels round twice (momentum's buf * mu + grad). Heavy-ball momentum is bitwise equal in Triton's
-interpreter; docs/triton.md has the figures.
+torch's separate kernels round twice (momentum's buf * mu + grad, and Nesterov's step). Heavy-ball and Nesterov momentum
+are bitwise equal in Triton's interpreter; docs/triton.md has the figures.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ SUM_BLOCK = 4096  # gradient elements per step of a grad_sums program
 MAX_SUMS = 1024  # at most this many partial sums, which every update program adds up
 # The constants, in this order, in one float64 tensor (Triton passes a Python float as float32); the kernel rounds each
 # to the parameters' dtype, as torch rounds a Python number in a tensor-scalar operation.
-CONSTS = ("1-mu", "mu-1", "1-b2", "eps", "log2 mu", "log2 b2", "g_min", "g_max", "r_min", "pi", "2pi", "tiny")
+CONSTS = ("1-mu", "mu-1", "1-b2", "eps", "log2 mu", "log2 b2", "g_min", "g_max", "r_min", "pi", "2pi", "tiny", "mu")
 
 
 @triton.jit
@@ -80,6 +80,7 @@ def fused_update_kernel(
     rs_lo,
     rs_hi,
     ADAM: tl.constexpr,
+    NESTEROV: tl.constexpr,
     HAS_MULT: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -114,7 +115,10 @@ def fused_update_kernel(
         step = step * div_ieee(lr * ok * root_bc2, 1.0 - power(t, tl.load(c_ptr + 4)))
     else:
         m = m * (1.0 + ok * tl.load(c_ptr + 1).to(dt)) + g  # decay by momentum, or keep when dropped (g is 0 then)
-        step = m * (lr * ok)
+        if NESTEROV:
+            step = (m * tl.load(c_ptr + 12).to(dt) + g) * (lr * ok)  # the step looks ahead along the new buf
+        else:
+            step = m * (lr * ok)
     if HAS_MULT:
         step = step * tl.load(mult_ptr + offs, mask=inside, other=0.0)
     p = p - step
@@ -163,6 +167,7 @@ def constants(
         math.pi,
         2 * math.pi,
         torch.finfo(dtype).tiny,
+        momentum,
     ]
 
 
@@ -177,6 +182,7 @@ class FusedUpdate:
         self,
         flat: Tensor,
         adam: bool,
+        nesterov: bool,
         momentum: float,
         beta2: float,
         eps: float,
@@ -187,7 +193,7 @@ class FusedUpdate:
         g_max: float,
         r_min: float,
     ) -> None:
-        self.n, self.adam = flat.numel(), adam
+        self.n, self.adam, self.nesterov = flat.numel(), adam, nesterov
         self.per_program = SUM_BLOCK * triton.cdiv(triton.cdiv(self.n, MAX_SUMS), SUM_BLOCK)
         self.n_sums = triton.cdiv(self.n, self.per_program)
         self.programs = triton.cdiv(self.n, BLOCK)  # of the update's launch
@@ -234,6 +240,7 @@ class FusedUpdate:
             self.n,
             *self.spans,
             ADAM=self.adam,
+            NESTEROV=self.nesterov,
             HAS_MULT=mult is not None,
             HAS_DECAY=decay is not None,
             BLOCK=BLOCK,
