@@ -21,6 +21,7 @@ from tiny import clustered
 
 import trainer2
 from trainer2.cli import main
+from trainer2.running.rundir import pid_alive
 
 optuna = pytest.importorskip("optuna", reason='the sweep extra is not installed (pip install -e ".[sweep]")')
 
@@ -299,3 +300,21 @@ def test_sigterm_stops_a_worker_saved_and_the_same_command_continues_its_trial(h
     telemetry = (folder / f"trial-{retry.number}/telemetry.jsonl").read_text().splitlines()
     first = yaml.safe_load(telemetry[0])["window"]  # a row every 3 windows: the first after the stop's checkpoint
     assert summary["windows"] < first <= summary["windows"] + 3
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="no /proc: a zombie looks like a live process")
+def test_a_worker_killed_under_the_worker_that_started_it_counts_as_dead():
+    """`--workers 2`: the first worker started the second, so a `kill -9` of the second leaves a zombie until the first
+    collects it, after its own trials; the dead worker's trial must be retried now, not left running to the end."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert pid_alive(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while pid_alive(child.pid):
+            assert time.monotonic() < deadline, "a killed child, not yet collected, still counts as alive"
+            time.sleep(0.05)
+        assert child.returncode is None  # never collected: what was seen as dead was the zombie
+    finally:
+        child.kill()
+        child.wait()

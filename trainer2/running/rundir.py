@@ -297,14 +297,20 @@ def lock_holder(run_dir: Path) -> str | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this id runs on this host (another user's counts as alive)."""
+    """Whether a process with this id runs on this host (another user's counts as alive). A zombie, one that has
+    exited but whose parent has not yet collected it (a sweep worker killed under the worker that started it), is
+    gone; where there is no /proc to tell, a process that answers counts as alive."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])  # the state, after the command's name
 
 
 def remove_orphans(run_dir: Path, log: Callable[[str], None]) -> int:

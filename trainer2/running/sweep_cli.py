@@ -17,7 +17,7 @@ from trainer2.io.console import say
 from trainer2.io.parser import Parser
 from trainer2.running.signals import StopSignals, exit_code
 from trainer2.running.sweep import OBJECTIVES, PRUNERS, plan, report, work
-from trainer2.running.sweep_study import import_optuna, open_storage, open_study
+from trainer2.running.sweep_study import import_optuna, open_storage, open_study, tally
 from trainer2.section import ConfigError
 
 SWEEP_FLAGS = (
@@ -108,7 +108,8 @@ def cmd_sweep(argv: list[str]) -> int:
         return exit_code(signal.Signals[stopped])
     codes = [child.returncode for child in children]
     if any(codes):
-        say(f"note: worker exit statuses {codes}; run the same command again to finish the study")
+        finished = tally(study).finished >= p.trials  # this worker retried a dead one's trial, or the study is short
+        say(f"note: worker exit statuses {codes}" + ("" if finished else "; run the same command again to finish"))
     if args.report:
         report(p, study, time.perf_counter() - started, say)
     return 0
