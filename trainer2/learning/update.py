@@ -39,8 +39,8 @@ class UpdateConfig(Section):
     eta_embed_scale: float = Field(1.0, gt=0.0, description="Embedding learning rate as a multiple of eta_update.")
     update_rule: Literal["momentum", "nesterov", "adam"] = Field(
         "adam",
-        description="Hand-written update: heavy-ball momentum, Nesterov momentum (torch.optim.SGD's nesterov=True, "
-        "the field's SGD recipe) or Adam.",
+        description="Hand-written update: heavy-ball momentum, Nesterov momentum (the step of PyTorch's SGD with "
+        "nesterov=True, the field's SGD recipe) or Adam.",
     )
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Heavy-ball or Nesterov momentum, or Adam's beta1.")
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam's second-moment decay.")
