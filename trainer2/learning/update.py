@@ -164,12 +164,12 @@ def flat_update(
     # non-finite; two passes cost a third of masked_fill_ with a 0-dim mask
     grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(ok)
     mu = cfg.momentum
-    if cfg.update_rule == "momentum":
+    if cfg.update_rule != "adam":
         st.bufs.mul_(1.0 + ok * (mu - 1.0)).add_(grad)  # decay by momentum, or keep when dropped (grad is 0 then)
-        torch.mul(st.bufs, st.lr * ok, out=step)
-    elif cfg.update_rule == "nesterov":
-        st.bufs.mul_(1.0 + ok * (mu - 1.0)).add_(grad)
-        torch.mul(st.bufs, mu, out=step).add_(grad).mul_(st.lr * ok)  # the step looks ahead along the new buf
+        if cfg.update_rule == "nesterov":
+            torch.mul(st.bufs, mu, out=step).add_(grad).mul_(st.lr * ok)  # the step looks ahead along the new buf
+        else:
+            torch.mul(st.bufs, st.lr * ok, out=step)
     else:
         b2 = cfg.adam_beta2
         st.count.add_(ok)

@@ -153,18 +153,19 @@ def plan(layers: list[dict[str, Any]], couplings: list[dict[str, Any]], n: int, 
                 f"{where}: a coupling runs from a lower layer to a higher one ({INPUT} first, the layers in their "
                 f"listed order, {OUTPUT} last)"
             )
-        gain, lr = scalar(entry, "gain", where, MAX_GAIN), scalar(entry, "lr", where, MAX_LR_SCALE)
+        gain = scalar(entry, "gain", where, MAX_GAIN, unset_value(entry, "gain", out_scale))
+        lr = scalar(entry, "lr", where, MAX_LR_SCALE, unset_value(entry, "lr", out_scale))
         rest = {key: v for key, v in entry.items() if key not in EDGE_KEYS}
         if above == len(names):  # the head: dense into q
             if rest or head is not None or below < 0:
                 why = "only one coupling reaches output" if head is not None else "it is the dense head into q"
                 why = "output is reached from a state layer, not the input" if below < 0 else why
                 raise ValueError(f"{where}: {why}; write it as {{from: LAYER, to: {OUTPUT}, gain: G, lr: R}}")
-            head = (below, gain if "gain" in entry else unset_value(entry, "gain", out_scale), lr)
+            head = (below, gain, lr)
             continue
         kind, spec = only_item(rest, where)
         edges.append((below, above))
-        entries.append(CouplingEntry(kind, spec, gain if "gain" in entry else 1.0, lr))
+        entries.append(CouplingEntry(kind, spec, gain, lr))
     below, gain, lr = head if head is not None else (len(names) - 1, out_scale, 1.0)
     edges.append((below, len(names)))
     entries.append(CouplingEntry("dense", n, gain, lr))
@@ -212,9 +213,11 @@ def unset_value(entry: dict[str, Any], key: str, out_scale: float) -> float | No
     return 1.0 if key in ("gain", "lr") else None
 
 
-def scalar(entry: dict[str, Any], key: str, where: str, high: float) -> float:
-    """A coupling's gain or lr (default 1): a number in (0, high]."""
-    v = entry.get(key, 1.0)
+def scalar(entry: dict[str, Any], key: str, where: str, high: float, default: float | None) -> float:
+    """A coupling's gain or lr: the entry's, a number in (0, high], or `default` when it gives none (unset_value)."""
+    if key not in entry:
+        return float(default if default is not None else 1.0)
+    v = entry[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= high or not math.isfinite(v):
         raise ValueError(f"{where}: {key} must be a number in (0, {high:g}], got {v!r}")
     return float(v)

@@ -235,11 +235,12 @@ def run_trial(p: Plan, study: Any, storage: Any, trial: Any, signals: StopSignal
 
 def work(p: Plan, study: Any, storage: Any, log: Log) -> str | None:
     """Take trials until the study has p.trials finished ones; the stop signal's name when one ended it early."""
+    with ask_lock(p.sweep_dir):
+        if p.start and not study.get_trials(deepcopy=False):  # a new study: its first trial, the base's values
+            study.enqueue_trial(p.start, user_attrs={"start": True}, skip_if_exists=True)
     with StopSignals() as signals:
         while signals.received is None:
             with ask_lock(p.sweep_dir):
-                if p.start and not study.get_trials(deepcopy=False):  # a new study: its first trial, the base's
-                    study.enqueue_trial(p.start, user_attrs={"start": True}, skip_if_exists=True)
                 reap_dead(study, storage)
                 fail_stale(study)
                 counts = tally(study)
