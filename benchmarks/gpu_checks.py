@@ -27,6 +27,11 @@ it in a second call with --parts):
               (--readout_backend triton), and its graph = eager case (`dense, frame kernel`); since 64c1620's rows
               (AUTO_TAKES_TRITON_FRAME on) dev8's and dev4096's triton+graph rows take it too, so these repeat them
               with the kernels asked for by name;
+  ep-metrics  dev batch 8 and 4096, triton+graph with the EP statistic a launch per coupling and the window's
+              metrics in two launches as well (kernels/ep_statistic.py, kernels/window_metrics.py;
+              AUTO_TAKES_TRITON_EP and AUTO_TAKES_TRITON_METRICS switched on for these rows only): where the CUDA
+              tests pass (triton_window_check and update_check compare them) and these rows beat dev8's and
+              dev4096's triton+graph rows, set the switches;
   conv, dev64, production, deep   more bench rows: the conv preset at batch 128 (eager, graph, compile+graph), dev
               batch 64 (as dev8), production and deep (eager, graph, triton+graph).
 
@@ -44,8 +49,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -93,6 +100,7 @@ class Plan:
                 "dev8": ("dev", [4], modes),
                 "readout": ("dev", [4], ["triton"]),
                 "frame": ("dev", [4], ["triton"]),
+                "ep-metrics": ("dev", [4], ["triton"]),
             }
             return Plan(True, 2, 48, (3, 16, 16), 5.0, 16, {**smoke_bench, "dev4096": ("dev", [16], modes[:2])})
         return Plan(
@@ -106,6 +114,7 @@ class Plan:
                 "dev8": ("dev", [8], torch_modes),
                 "readout": ("dev", [8, 4096], ["triton+graph"]),
                 "frame": ("dev", [8, 4096], ["triton+graph"]),
+                "ep-metrics": ("dev", [8, 4096], ["triton+graph"]),
                 "dev4096": ("dev", [4096], ["graph", "triton+graph"]),
                 "dev64": ("dev", [64], torch_modes),
                 "conv": ("conv", [128], ["eager", "graph", "compile+graph"]),
@@ -126,6 +135,7 @@ ESTIMATE_S = {  # 64c1620 on an H200 took 59, 4, 5, 34, 258, 1, 1, 66 (alone), 3
     "tests": 300,  # the compile tests and the Triton window check, each in a child process
     "readout": 10,
     "frame": 10,
+    "ep-metrics": 10,
     "conv": 75,  # compile+graph's compile takes most of it
     "dev64": 40,
     "production": 10,
@@ -137,7 +147,11 @@ ESTIMATE_S = {  # 64c1620 on an H200 took 59, 4, 5, 34, 258, 1, 1, 66 (alone), 3
 VARIANTS = {
     "readout": ("dev, torch readout", {"readout_backend": "torch"}),
     "frame": ("dev, frame kernel", {"readout_backend": "triton"}),
+    "ep-metrics": ("dev, EP + metrics kernels", {}),
 }
+# A part whose rows run with `auto` switches of trainer2/physics/kernels/backend.py on that a run does not have on yet
+# (a kernel never compiled on a GPU spoils only those rows if it fails)
+SWITCHED_ON = {"ep-metrics": ("AUTO_TAKES_TRITON_EP", "AUTO_TAKES_TRITON_METRICS")}
 
 
 # The image presets: smoke runs keep their layers (the epoch parts shrink them), not SMOKE_DENSE's
@@ -243,6 +257,7 @@ def bench_part(plan: Plan, part: str, device: torch.device, log: Callable[[str],
     """(preset, bench row) of one part (bench.measure on a fresh machine per mode)."""
     import torch._dynamo
 
+    from trainer2.physics.kernels import backend
     from trainer2.running.bench import measure
 
     preset, batches, modes = plan.bench[part]
@@ -250,12 +265,15 @@ def bench_part(plan: Plan, part: str, device: torch.device, log: Callable[[str],
     cfg = config(preset, plan.smoke, **overrides)
     data = data_for(cfg)
     rows = []
-    for b in batches:
-        torch._dynamo.reset()  # every compile is of BatchStep.step: keep dynamo's recompile limit out of the way
-        windows = plan.windows if b < 1024 else max(2, plan.windows // 4)
-        for r in measure(cfg, data, device, b, modes, windows, cfg.warmup_steps + 2, 5):
-            log(f"  {label} batch {b} {r.mode}: {r.windows_per_s or 0:.1f} windows/s {r.note}".rstrip())
-            rows.append((label, r))
+    with ExitStack() as switches:
+        for name in SWITCHED_ON.get(part, ()):
+            switches.enter_context(patch.object(backend, name, True))
+        for b in batches:
+            torch._dynamo.reset()  # every compile is of BatchStep.step: keep dynamo's recompile limit out of the way
+            windows = plan.windows if b < 1024 else max(2, plan.windows // 4)
+            for r in measure(cfg, data, device, b, modes, windows, cfg.warmup_steps + 2, 5):
+                log(f"  {label} batch {b} {r.mode}: {r.windows_per_s or 0:.1f} windows/s {r.note}".rstrip())
+                rows.append((label, r))
     return rows
 
 

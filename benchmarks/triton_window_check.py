@@ -1,5 +1,6 @@
 """The Triton window against the torch window on one device, at a preset's shapes (issue 24): the largest relative error
-of each phase's states, q history and spd, and on CUDA a captured-and-replayed Triton window against its eager run.
+of each phase's states, q history and spd, and of the EP statistic kernel against the couplings' own (kernels/
+ep_statistic.py), and on CUDA a captured-and-replayed Triton window against its eager run.
 
     python -m benchmarks.triton_window_check [--preset dev] [--batch_sizes 8 64 512 4096] [--FIELD VALUE ...]
 
@@ -60,9 +61,31 @@ def check(cfg, batch: int, device: torch.device) -> dict[str, float]:
             errors[f"{phase} layer {i}"] = relative(s, t)
         errors[f"{phase} q history"] = relative(a.q_hist, b.q_hist)
         errors[f"{phase} spd"] = relative(a.spd_hist, b.spd_hist)
+    errors.update(ep_errors(tri, frees["triton"].x))
     if device.type == "cuda":
         errors.update(graph_replay(tri, frees["triton"]))
     return errors
+
+
+def ep_errors(relax: Relaxation, x: torch.Tensor) -> dict[str, float]:
+    """The EP statistic kernel (kernels/ep_statistic.py, built here whatever AUTO_TAKES_TRITON_EP says) against
+    energy.ep_grads on the same nudged states. The statistic is a difference of two nearly equal products, so each error
+    is relative to the size of those products (the statistic of |s+| against zero), at which both sides round."""
+    from trainer2.physics.energy import ep_grads
+    from trainer2.physics.kernels.ep_statistic import EPStatistic, serves
+
+    e = relax.m.energy
+    if not serves(e) or not relax.s_plus:
+        return {}
+    scale = 1.0 / (relax.nudge.divisor * relax.batch)
+    got, got_gx = EPStatistic(scale, x)(relax.s_plus, relax.s_minus, x, e, scale, None)
+    want, want_gx = ep_grads(relax.s_plus, relax.s_minus, x, e, scale, None)
+    sizes, _ = ep_grads([s.abs() for s in relax.s_plus], [0 * s for s in relax.s_plus], x.abs(), e, scale, None)
+    out = {
+        f"ep {k}": float((got[k] - w).abs().max()) / max(float(sizes[k].abs().max()), 1e-30) for k, w in want.items()
+    }
+    out["ep input grad"] = relative(got_gx, want_gx)
+    return out
 
 
 def readout_errors(got: ReadoutResult, want: ReadoutResult) -> dict[str, float]:

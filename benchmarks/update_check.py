@@ -3,7 +3,8 @@ moments, applied step, count and dropped count after several updates, for Adam a
 without weight decay and per-group learning rates, one gradient non-finite (the update dropped); on CUDA also one
 update captured in a CUDA graph and replayed against its eager call (bitwise, no host sync). Then the weight average's
 kernel (kernels/weight_average.py, beside the fused update) against the torch operators it replaces, the rotor's
-angles winding past +-pi, and on CUDA its graph replay.
+angles winding past +-pi, and on CUDA its graph replay; and the window metrics' kernel (kernels/window_metrics.py)
+against the Updater's torch metrics (counts and flags equal, sums within METRIC_ULPS ulps), on CUDA its graph replay.
 
     python -m benchmarks.update_check [--preset dev] [--steps 6] [--FIELD VALUE ...]
 
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from trainer2.flags import add_config_flags, resolve_config
-from trainer2.learning.params import ParamTable
+from trainer2.learning.params import GROUPS, ParamTable
 from trainer2.learning.update import UpdateState, flat_update, fused_update
 from trainer2.physics.machine import build_machine, clamp_readout
 from trainer2.running.parts import resolve_device
@@ -34,6 +35,7 @@ VARIANTS = {  # name -> the fields that make it
     "decay+mult": {"weight_decay": 0.01, "eta_readout_scale": 3.0, "eta_embed_scale": 0.5},
 }
 CLASSES = 7
+METRIC_ULPS = 64  # the window metrics' sums against torch's, relative to each sum (tolerance(cfg, 1) each)
 
 
 def relative(got: Tensor, want: Tensor) -> float:
@@ -137,6 +139,55 @@ def compare_average(cfg: TrainConfig, device: torch.device, steps: int = 6) -> t
     return errors, facts
 
 
+def compare_metrics(cfg: TrainConfig, device: torch.device, steps: int = 6) -> tuple[dict[str, float], dict]:
+    """`steps` windows' metric sums by the metrics kernel (kernels/window_metrics.py, built here whatever
+    AUTO_TAKES_TRITON_METRICS says) and by the Updater's torch operators, on random losses, probabilities (a row with
+    tied maxima, and one with a NaN in the middle step), targets, update steps and an ok that drops every third update.
+    Returns (difference by kind: counts and flags exact, sums relative to each slot, the largest; facts)."""
+    from trainer2.learning.gradients import StepResult
+    from trainer2.learning.update import METRICS, MetricSums, UpdateConfig, Updater
+    from trainer2.physics.kernels.window_metrics import WindowMetrics
+    from trainer2.physics.relaxation import WindowStats
+
+    m, table = exercised(cfg, device)
+    updater = Updater(m, cfg.section(UpdateConfig).model_copy(update={"update_backend": "torch"}), table)
+    spans = {g: table.spans[g] for g in GROUPS if g in table.spans}
+    kernel = WindowMetrics(table.flat, spans, MetricSums.slots(), CLASSES)
+    ref, tri = MetricSums(table.flat), MetricSums(table.flat)
+    gen, like = torch.Generator().manual_seed(2), table.flat
+
+    def rand(*shape: int) -> Tensor:
+        return torch.rand(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=like.dtype)
+
+    batch = 37
+    for k in range(steps):
+        probs = rand(batch, CLASSES).softmax(1)
+        probs[0, 1:3] = probs[0].max() + 0.5  # tied maxima: the first one counts
+        if k == steps // 2:
+            probs[1, 3] = math.nan  # torch's argmax takes the NaN
+        targets = torch.randint(0, CLASSES, (batch,), generator=gen).to(device)
+        targets[0] = 1
+        updater.step.copy_(rand(like.numel()) - 0.5)
+        ok = torch.tensor(float(k % 3 != 1), dtype=like.dtype, device=device)
+        stats = WindowStats(*(rand(()) for _ in range(6)))
+        out = StepResult({}, rand(batch), probs, stats)
+        ref.add(updater.window_metrics(out, targets, ok))
+        order = (stats.lior_mean, stats.spd_mean, stats.spd_last, stats.R_mean, stats.lior_nudge, stats.spd_last_nudge)
+        kernel(tri.values, out.loss, probs, targets, ok, order, updater.step, like)
+    want, got = ref.values.double(), tri.values.double()
+    exact = [METRICS.index(k) for k in ("windows", "examples", "correct_sum", "dropped", "nonfinite_params")]
+    near = [i for i in range(len(METRICS)) if i not in exact]
+    errors = {  # a count or flag off by any amount fails
+        "metrics counts": 0.0 if torch.equal(got[exact], want[exact]) else math.inf,
+        "metrics sums": float(((got[near] - want[near]).abs() / want[near].abs().clamp_min(1e-30)).max()),
+    }
+    facts = {"metrics launches": kernel.launches, "metrics programs": kernel.programs, "correct": float(want[exact[2]])}
+    if device.type == "cuda":
+        kernel_call = lambda: kernel(tri.values, out.loss, probs, targets, ok, order, updater.step, like)  # noqa: E731
+        errors["metrics graph replay"] = replayed(kernel_call, [tri.values])
+    return errors, facts
+
+
 def replayed(fn, live: list[Tensor]) -> float:
     """`fn` captured in a CUDA graph and replayed from the same start as its eager call: the largest difference of
     the tensors `live` it changes; a host sync is an error."""
@@ -200,8 +251,17 @@ def main(argv: list[str] | None = None) -> int:
     errors, facts = compare_average(base, device, args.steps)
     worst = max(worst, *errors.values(), math.inf if errors.get("average graph replay") else 0.0)
     print(" weight average: " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items()) + f"; {facts}")
-    print(f"largest relative difference {worst:.3g}: {'PASS' if worst <= tol else 'FAIL'}")
-    return 0 if worst <= tol else 1
+    errors, facts = compare_metrics(base, device, args.steps)
+    # the sums add in another order (and over up to a million elements): METRIC_ULPS ulps, not a few a step
+    metrics_ok = errors["metrics sums"] <= METRIC_ULPS * tolerance(base, 1) and errors["metrics counts"] == 0.0
+    metrics_ok = metrics_ok and not errors.get("metrics graph replay")
+    print(" window metrics: " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items()) + f"; {facts}")
+    passed = worst <= tol and metrics_ok
+    print(
+        f"largest relative difference {worst:.3g}, window metrics {'equal' if metrics_ok else 'NOT equal'}: "
+        f"{'PASS' if passed else 'FAIL'}"
+    )
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 
 import trainer2
-from benchmarks.step_ops import main, step_ops
+from benchmarks.step_ops import dispatched_ops, main, step_ops
 from trainer2.data.load import DataConfig, load_data
+from trainer2.physics.kernels.backend import interpreting
 from trainer2.running.bench import host_batches, make_step, profile_call
 from trainer2.running.step_runner import StepRunner
 
@@ -27,3 +31,24 @@ def test_the_operators_by_function_add_up_to_benchs_count(capsys):
         assert any(k.endswith(where) for k in ops), (where, ops)
     assert main(["--preset", "dev", "--batch_size", "4"]) == 0
     assert f"{counted} kernel-running operators a batch step" in capsys.readouterr().out
+
+
+def test_the_dispatch_count_agrees_with_the_profile():
+    """With the torch backends both counts see the same operators (the profile may count a composite operator as one
+    that dispatch sees as its parts: at most 2 here)."""
+    cfg = trainer2.config("dev", window_backend="torch", update_backend="torch")
+    ops, launches = dispatched_ops(cfg, 4)
+    assert launches == 0 and abs(sum(ops.values()) - sum(step_ops(cfg, 4).values())) <= 2
+
+
+def test_the_dispatch_count_leaves_out_the_interpreters_work():
+    """In Triton's interpreter with every kernel asked for: the kernels' launches are counted (2 window, 2 EP
+    statistic, readout frame and loss, 2 update, 1 cap, 2 metrics, 1 average) and the interpreter's own torch calls are
+    not, so what is left is the torch operators a GPU would run beside them."""
+    if importlib.util.find_spec("triton") is None or not interpreting():
+        pytest.skip("needs triton and TRITON_INTERPRET=1 (pip install -e '.[kernels]')")
+    names = ("window_backend", "update_backend", "readout_backend")
+    ops, launches = dispatched_ops(trainer2.config("dev", **dict.fromkeys(names, "triton")), 8)
+    assert launches == 12
+    assert 0 < sum(ops.values()) < 40, ops
+    assert not any(k.startswith(("physics/couplings/dense.py:ep_grads", "learning/update.py:apply")) for k in ops), ops

@@ -16,7 +16,6 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from trainer2.physics.energy import ep_grads
 from trainer2.physics.readout import indicator
 from trainer2.physics.relaxation import FreeState, Relaxation, WindowStats
 
@@ -59,7 +58,8 @@ def ep_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResu
         scale = 1.0 / (relax.nudge.divisor * relax.batch)
         # Only a learned embedding needs the input's gradient (on images it is a transposed convolution per window).
         at = relax.s0.s if relax.nudge.on_free_piece else None  # both phases on s0's piece of E, or each on its own
-        grads, gx = ep_grads(relax.s_plus, relax.s_minus, free.x, m.energy, scale, at, input_grad=m.emb is not None)
+        stat = relax.ep_statistic  # energy.ep_grads, or its Triton kernel beside the Triton window
+        grads, gx = stat(relax.s_plus, relax.s_minus, free.x, m.energy, scale, at, input_grad=m.emb is not None)
         return step_result(relax, free, inputs, grads, gx, stats)
 
 

@@ -22,7 +22,7 @@ from trainer2.learning.gradients import StepResult
 from trainer2.learning.params import GROUPS, ParamTable
 from trainer2.learning.subnormals import flush_subnormals_
 from trainer2.physics.couplings import Dense
-from trainer2.physics.kernels.backend import choose_update_backend
+from trainer2.physics.kernels.backend import choose_update_backend, metrics_kernel_wanted
 from trainer2.physics.machine import Machine, MachineConfig, coupling_cap, project_constraints
 from trainer2.section import Section
 
@@ -227,6 +227,18 @@ def fused_caps(machine: Machine) -> list[Callable[[Tensor], None]]:
     ]
 
 
+def window_metrics(table: ParamTable, machine: Machine):
+    """The window's metrics in two Triton launches (trainer2.physics.kernels.window_metrics) where
+    `metrics_kernel_wanted` takes them for this device and the class probabilities fit one program, else None (the
+    torch operators). Imports triton, so call it only once the fused update is chosen."""
+    from trainer2.physics.kernels.window_metrics import WindowMetrics, fits
+
+    if not metrics_kernel_wanted(table.flat.device) or not fits(machine.num_classes):
+        return None
+    spans = {g: table.spans[g] for g in GROUPS if g in table.spans}
+    return WindowMetrics(table.flat, spans, MetricSums.slots(), machine.num_classes)
+
+
 # Sums over a log interval; `MetricSums.read` turns them into the logged means. Checkpoints keep them (one tensor for
 # the first ones, one for each added later, so checkpoints written before an addition still load).
 METRICS = (
@@ -262,6 +274,11 @@ class MetricSums:
             raise KeyError(f"metrics {sorted(named)} do not match {sorted(METRICS)}")
         self.values.add_(torch.stack([named[k] for k in METRICS]))
 
+    @staticmethod
+    def slots() -> dict[str, int]:
+        """Each metric's index in the sums tensor (for a kernel that adds to them in place)."""
+        return {k: i for i, k in enumerate(METRICS)}
+
     def tensors(self) -> dict[str, Tensor]:
         """The sums by checkpoint key, views that loading copies into: "metrics" (the metrics checkpoints have always
         held) and "metrics.<name>" for each added later (absent from older checkpoints, where it restarts at 0)."""
@@ -293,6 +310,9 @@ class Updater:
         self.backend = choose_update_backend(cfg.update_backend, table.flat.device, table.flat.dtype)
         self.fused = fused_update(table, cfg, machine.spec) if self.backend.name == "triton" else None
         self.caps = fused_caps(machine) if self.fused is not None else []
+        # Beside the fused update, the window's metrics in two launches (kernels/window_metrics.py) where
+        # metrics_kernel_wanted says so
+        self.metrics_kernel = window_metrics(table, machine) if self.fused is not None else None
 
     def gather(self, grads: dict[str, Tensor]) -> Tensor:
         """Copy the named gradients into the flat buffer (one copy); returns it."""
@@ -309,31 +329,38 @@ class Updater:
             ok = self.fused(t.flat, self.grad, s.bufs, s.sq, s.count, s.lr, s.dropped, t.mult, t.decay_flat, self.step)
             for cap, u in zip(self.caps, s.power_vecs):  # no vectors, no caps (as cap_spectral)
                 cap(u)
-        st = out.stats
-        self.metrics.add(
-            {
-                "windows": self.count(1),
-                "examples": self.count(targets.shape[0]),
-                "loss_sum": out.loss.sum(),
-                "correct_sum": (out.probs.argmax(1) == targets).sum(dtype=t.flat.dtype),
-                "lior_mean": st.lior_mean,
-                "spd_mean": st.spd_mean,
-                "spd_last": st.spd_last,
-                "lior_nudge": st.lior_nudge,
-                "spd_last_nudge": st.spd_last_nudge,
-                "R_mean": st.R_mean,
-                "dropped": torch.rsub(ok, 1.0),
-                **{
-                    f"update_norm_{g}": torch.linalg.vector_norm(self.step_parts[g])  # Tensor.norm's kernel
-                    if g in self.step_parts
-                    else self.count(0)
-                    for g in GROUPS
-                },
-                # 1 when a parameter is not finite after this update: NaN and inf carry through the sum (so does a sum
-                # past the float range, ~1e38: such a parameter has blown up anyway), and sum * 0 is NaN exactly then
-                "nonfinite_params": t.flat.sum().mul_(0.0).nan_to_num_(nan=1.0),
-            }
-        )
+        if self.metrics_kernel is None:
+            self.metrics.add(self.window_metrics(out, targets, ok))
+        else:
+            st = out.stats
+            stats = (st.lior_mean, st.spd_mean, st.spd_last, st.R_mean, st.lior_nudge, st.spd_last_nudge)
+            self.metrics_kernel(self.metrics.values, out.loss, out.probs, targets, ok, stats, self.step, t.flat)
+
+    def window_metrics(self, out: StepResult, targets: Tensor, ok: Tensor) -> dict[str, Tensor]:
+        """One window's metrics by name, 0-dim tensors (the torch operators; the metrics kernel adds the same)."""
+        st, flat = out.stats, self.table.flat
+        return {
+            "windows": self.count(1),
+            "examples": self.count(targets.shape[0]),
+            "loss_sum": out.loss.sum(),
+            "correct_sum": (out.probs.argmax(1) == targets).sum(dtype=flat.dtype),
+            "lior_mean": st.lior_mean,
+            "spd_mean": st.spd_mean,
+            "spd_last": st.spd_last,
+            "lior_nudge": st.lior_nudge,
+            "spd_last_nudge": st.spd_last_nudge,
+            "R_mean": st.R_mean,
+            "dropped": torch.rsub(ok, 1.0),
+            **{
+                f"update_norm_{g}": torch.linalg.vector_norm(self.step_parts[g])  # Tensor.norm's kernel
+                if g in self.step_parts
+                else self.count(0)
+                for g in GROUPS
+            },
+            # 1 when a parameter is not finite after this update: NaN and inf carry through the sum (so does a sum
+            # past the float range, ~1e38: such a parameter has blown up anyway), and sum * 0 is NaN exactly then
+            "nonfinite_params": flat.sum().mul_(0.0).nan_to_num_(nan=1.0),
+        }
 
     def count(self, value: int) -> Tensor:
         """A 0-dim constant on the device, made on first use (before any graph capture) and then reused; made inside the

@@ -31,11 +31,12 @@ from trainer2.physics.dynamics import (
     set_nudge_scale,
     staged_layers,
 )
-from trainer2.physics.energy import Energy, input_drive
+from trainer2.physics.energy import Energy, ep_grads, input_drive
 from trainer2.physics.graph_steps import staged_graph_layers
 from trainer2.physics.kernels.backend import (
     choose_backend,
     choose_readout_backend,
+    ep_kernel,
     frame_kernel,
     graph_blocker,
     make_phase_function,
@@ -191,6 +192,9 @@ class Relaxation:
             cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds, served
         )
         self.steps_fn = make_phase_function(self.backend, self.integ, graph)
+        # The EP statistic (trainer2.physics.energy.ep_grads), or one Triton launch a coupling beside the Triton window
+        scale = 1.0 / (self.nudge.divisor * batch)
+        self.ep_statistic = ep_kernel(self.backend, machine.energy, scale, like) or ep_grads
         # The retrieval readout's loss and gradients at s0: the cost's torch operators, or one Triton launch
         counts = (batch, sizes[-1], num_cand, machine.num_classes)
         self.readout_backend = choose_readout_backend(cfg.readout_backend, like, self.cost, counts)

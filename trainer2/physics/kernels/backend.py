@@ -43,6 +43,14 @@ AUTO_TAKES_TRITON_READOUT = True
 # triton+graph batch step with it ran 1.13x (batch 8) and 1.08x (4096) the windows/s without it, in 64 kernels
 # against 97 (docs/performance.md): auto takes it beside the readout kernel.
 AUTO_TAKES_TRITON_FRAME = True
+# The window's metric sums in two launches (kernels/window_metrics.py) beside the fused update, where the torch
+# operators take 13: off on a GPU until a GPU session has run benchmarks/update_check.py with it compiled (equal to the
+# torch metrics) and counted the batch step's kernels; in Triton's interpreter it always joins the fused update.
+AUTO_TAKES_TRITON_METRICS = False
+# The EP statistic of each dense coupling in one launch (kernels/ep_statistic.py) beside the Triton window, where the
+# torch operators take five: off on a GPU until a GPU session has compared it compiled (benchmarks/
+# triton_window_check.py) and counted the batch step's kernels; in Triton's interpreter it always joins the window.
+AUTO_TAKES_TRITON_EP = False
 # Triton stages each tl.dot's operands through shared memory, and the kernels' dots take whole layers: the largest
 # pair (BLOCK_ROWS rows of state and a coupling tile, padded) has to fit the GPU's shared memory per block. The slack
 # covers the kernel's other buffers: on an H200 the deep preset's 1024 x 32 float32 pair (192 KiB) asked for 234 KiB,
@@ -294,6 +302,23 @@ def choose_update_backend(requested: str, device: torch.device, dtype: torch.dty
             return Backend("triton", "auto: a CUDA device and triton imports")
         return Backend("torch", "auto: AUTO_TAKES_TRITON_UPDATE is off; --update_backend triton runs the kernel")
     return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
+
+
+def ep_kernel(window: Backend, energy, scale: float, like: torch.Tensor):
+    """The Triton EP statistic (kernels/ep_statistic.py) beside the Triton window (`window`: its backend) where every
+    coupling is trainer2's Dense and Triton runs in its interpreter or AUTO_TAKES_TRITON_EP is on; else None (the
+    couplings' own ep_grads). Imports triton only then."""
+    if window.name != "triton" or not (like.device.type == "cpu" or AUTO_TAKES_TRITON_EP):
+        return None
+    from trainer2.physics.kernels import ep_statistic
+
+    return ep_statistic.EPStatistic(scale, like) if ep_statistic.serves(energy) else None
+
+
+def metrics_kernel_wanted(device: torch.device) -> bool:
+    """Whether the fused update on `device` brings the metrics kernel: in Triton's interpreter (the CPU's tests and
+    benches) always, on a CUDA device while AUTO_TAKES_TRITON_METRICS is on."""
+    return device.type == "cpu" or AUTO_TAKES_TRITON_METRICS
 
 
 class TritonWindow:
