@@ -38,9 +38,10 @@ def states(m, rows: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tens
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("rows", [5, 70])
 def test_the_kernel_equals_the_couplings_statistic(dtype, rows):
-    """Three dense couplings (input 9 -> 40 -> 33 -> q 4; none a multiple of the 32-wide tiles), a batch smaller than a
-    tile and one over two: every weight, bias and the input's gradient within rounding of torch's, none zero."""
-    cfg = tiny_config(dtype=dtype, hidden_sizes=[40, 33], coord_dim_n=4, context_len=3, embed_dim=3)
+    """Three dense couplings (input 40 -> 40 -> 33 -> q 4; none a multiple of the 32-wide tiles, two column blocks on
+    the clamped one), a batch smaller than a tile and one over two: every weight, bias and the input's gradient within
+    rounding of torch's, none zero."""
+    cfg = tiny_config(dtype=dtype, hidden_sizes=[40, 33], coord_dim_n=4, context_len=5, embed_dim=8)
     m = tiny_machine(cfg)
     plus, minus, x = states(m, rows, seed=rows)
     scale = 1.0 / (2e-3 * rows)
@@ -59,6 +60,18 @@ def test_the_kernel_equals_the_couplings_statistic(dtype, rows):
         assert float((g - w).abs().max()) <= 16 * eps * size, (k, float((g - w).abs().max()), size)
     _, no_gx = kernel(plus, minus, x, m.energy, scale, None, input_grad=False)
     assert no_gx is None
+
+
+def test_states_of_another_width_are_refused_by_name():
+    cfg = tiny_config(hidden_sizes=[40])
+    m = tiny_machine(cfg)
+    plus, minus, x = states(m, 7, seed=0)
+    kernel = ep_statistic.EPStatistic(1.0, m.flat)
+    with pytest.raises(ValueError, match=r"below_plus has shape \(7, 8\)"):
+        kernel(plus, minus, x[:, :8].contiguous(), m.energy, 1.0, None)
+    with pytest.raises(ValueError, match="built for scale 1.0"):
+        kernel(plus, minus, x, m.energy, 0.5, None)
+    assert kernel.launches == 0
 
 
 def test_a_wrong_statistic_is_far_outside_the_tolerance():
@@ -93,6 +106,14 @@ def test_a_subclass_of_dense_keeps_its_own_statistic():
     assert isinstance(ep_kernel(window, m.energy, 1.0, m.flat), ep_statistic.EPStatistic)
     object.__setattr__(m.energy.couplings[1], "__class__", OwnDense)  # frozen: as a user's coupling would be built
     assert not ep_statistic.serves(m.energy) and ep_kernel(window, m.energy, 1.0, m.flat) is None
+
+
+def test_recurrent_backprop_with_the_triton_window_forms_no_statistic():
+    """rbp's adjoint has no nudged phases (divisor 0): no kernel is built for it, and its batch step runs."""
+    cfg = tiny_config(window_backend="triton", rule="rbp", hidden_sizes=[12], free_steps=4, nudge_steps=2)
+    step = build_step(tiny_machine(cfg), cfg, cfg, cfg.batch_size, rule="rbp")
+    assert step.relax.ep_statistic is ep_grads
+    StepRunner(step).step(*tiny_batch(cfg))
 
 
 def test_the_torch_window_keeps_the_torch_statistic():

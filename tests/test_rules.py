@@ -17,7 +17,6 @@ from tiny import tiny_batch, tiny_config, tiny_machine
 import trainer2
 from benchmarks.autograd_reference import cosine, exact_grads
 from trainer2.cli import main
-from trainer2.learning import gradients as gradients_module
 from trainer2.learning.step import build_step
 from trainer2.physics.adjoint import adjoint_steps, set_masks
 from trainer2.physics.kernels.backend import nudge_blocker
@@ -162,14 +161,14 @@ def test_small_nudges_take_the_statistic_on_the_argmax_maxpool_argmax_names_and_
     each phase's own with `own` (the default); always each phase's own for CHL's finite contrast (Coupling.ep_grads);
     what ep_gradients hands the energy's statistic says which."""
     seen = []
-    real = gradients_module.ep_grads
+    _, _, step, x, y = conv_case(rule, CONV_MAX, **({} if argmax == "own" else {"maxpool_argmax": argmax}))
+    real = step.relax.ep_statistic  # energy.ep_grads (a conv machine: no kernel)
 
     def spy(s_plus, s_minus, x, e, scale, at, input_grad=True):
         seen.append(at)
         return real(s_plus, s_minus, x, e, scale, at, input_grad)
 
-    monkeypatch.setattr(gradients_module, "ep_grads", spy)
-    _, _, step, x, y = conv_case(rule, CONV_MAX, **({} if argmax == "own" else {"maxpool_argmax": argmax}))
+    monkeypatch.setattr(step.relax, "ep_statistic", spy)
     gradients(step, x, y)
     own = rule == "chl" or argmax == "own"
     assert step.relax.nudge.own_argmax == own

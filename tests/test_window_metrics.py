@@ -23,9 +23,9 @@ from trainer2.running.step_runner import StepRunner  # noqa: E402
 COUNTS = ("windows", "examples", "correct_sum", "dropped", "nonfinite_params")  # whole numbers: equal exactly
 
 
-def metrics_of_both(cfg, windows: int) -> tuple[dict[str, float], dict[str, float], int]:
+def metrics_of_both(cfg, windows: int) -> tuple[dict[str, float], dict[str, float], int, int]:
     """The metric sums of `windows` batch steps of one machine with the kernel and of the same machine with the torch
-    metrics (the fused update in both, so both trajectories are the same), and the kernel's launches."""
+    metrics (the fused update in both, so both trajectories are the same), the kernel's launches and programs."""
     sums = {}
     for kernel in (True, False):
         step = build_step(tiny_machine(cfg), cfg, cfg, cfg.batch_size)
@@ -36,17 +36,20 @@ def metrics_of_both(cfg, windows: int) -> tuple[dict[str, float], dict[str, floa
             runner.step(*tiny_batch(cfg, seed=w))
         sums[kernel], _ = step.updater.metrics.read()
         if kernel:
-            launches = step.updater.metrics_kernel.launches
-    return sums[True], sums[False], launches
+            launches, programs = step.updater.metrics_kernel.launches, step.updater.metrics_kernel.programs
+    return sums[True], sums[False], launches, programs
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_the_metrics_kernel_equals_the_torch_metrics(dtype):
+@pytest.mark.parametrize("block", [window_metrics.BLOCK, 16])
+def test_the_metrics_kernel_equals_the_torch_metrics(dtype, block, monkeypatch):
     """Four windows: every count and flag equal, every sum within a few ulps (another order of addition); the sums
-    are not zero, so a slot the kernel missed would show."""
+    are not zero, so a slot the kernel missed would show. At 16 elements a partial-sums program, the flat buffers
+    split among several programs, whose sums the metrics program adds up."""
+    monkeypatch.setattr(window_metrics, "BLOCK", block)
     cfg = tiny_config(dtype=dtype, update_backend="triton", free_steps=8, nudge_steps=4, batch_size=37)
-    got, want, launches = metrics_of_both(cfg, windows=4)
-    assert launches == 8
+    got, want, launches, programs = metrics_of_both(cfg, windows=4)
+    assert launches == 8 and (programs > 4 if block == 16 else programs == 1), programs
     assert want["windows"] == 4 and want["examples"] == 4 * 37 and want["correct_sum"] > 0
     for k in METRICS:
         if k in COUNTS:

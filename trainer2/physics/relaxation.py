@@ -192,9 +192,11 @@ class Relaxation:
             cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds, served
         )
         self.steps_fn = make_phase_function(self.backend, self.integ, graph)
-        # The EP statistic (trainer2.physics.energy.ep_grads), or one Triton launch a coupling beside the Triton window
-        scale = 1.0 / (self.nudge.divisor * batch)
-        self.ep_statistic = ep_kernel(self.backend, machine.energy, scale, like) or ep_grads
+        # The EP statistic (trainer2.physics.energy.ep_grads), or one Triton launch a coupling beside the Triton window;
+        # a scheme without nudged phases (recurrent backprop's adjoint) forms no statistic
+        phases = self.nudge.phases
+        kernel = ep_kernel(self.backend, machine.energy, 1.0 / (self.nudge.divisor * batch), like) if phases else None
+        self.ep_statistic = kernel or ep_grads
         # The retrieval readout's loss and gradients at s0: the cost's torch operators, or one Triton launch
         counts = (batch, sizes[-1], num_cand, machine.num_classes)
         self.readout_backend = choose_readout_backend(cfg.readout_backend, like, self.cost, counts)

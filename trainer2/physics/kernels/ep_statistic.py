@@ -16,7 +16,7 @@ from torch import Tensor
 
 from trainer2.physics.couplings import Dense
 from trainer2.physics.energy import Energy
-from trainer2.physics.kernels.chain import mm, row_major
+from trainer2.physics.kernels.chain import mm, row_major, sized
 
 BLOCK = 32  # rows of W (units above) and columns (units below) a program, and batch rows a step: tl.dot's >= 16
 
@@ -87,8 +87,9 @@ def serves(energy: Energy) -> bool:
 
 class EPStatistic:
     """`kernel(s_plus, s_minus, x, energy, scale, at, input_grad)`: trainer2.physics.energy.ep_grads for an energy of
-    Dense couplings, one launch a coupling (the input's gradient, where asked for, one product more); `at` is not read
-    (dense couplings are bilinear). `launches` counts the launches (a Python int)."""
+    Dense couplings, one launch a coupling (the input's gradient, where asked for, one product more), at the scale it
+    was built for (its device copy is made once; another scale is refused); `at` is not read (dense couplings are
+    bilinear). `launches` counts the launches (a Python int)."""
 
     def __init__(self, scale: float, like: Tensor) -> None:
         self.scale = torch.tensor(scale, dtype=torch.float64, device=like.device)
@@ -114,8 +115,10 @@ class EPStatistic:
             above_p, above_m = s_plus[a], s_minus[a]
             below_p, below_m = (x, x) if clamped else (s_plus[b], s_minus[b])
             row_major(above_p, above_m, below_p, below_m)
-            rows, n_above = above_p.shape
-            n_below = below_p.shape[1]
+            (n_above, n_below), rows = c.weight.shape, above_p.shape[0]
+            above, below = (above_p, (rows, n_above)), (below_p, (rows, n_below))
+            sized(c.weight.dtype, above_plus=above, above_minus=(above_m, above[1]), below_plus=below)
+            sized(c.weight.dtype, below_minus=(below_m, below[1]))
             gw = above_p.new_empty(n_above, n_below)
             gb = above_p.new_empty(n_above)
             d = above_p.new_empty(rows, n_above) if clamped else gb
