@@ -317,9 +317,9 @@ def test_bench_times_the_triton_window_as_a_mode(small_text, monkeypatch):
     # the triton mode's 5 warm-up (warmup_steps 3 + 2), 2 timed and 1 profiled windows; none from eager or the
     # phase table
     assert len(spy.grids) == 5 + 2 + 1
-    # the window's 2 launches, the readout's frame and its loss and gradients, the fused update's 2 and the cap of the
-    # one dense coupling between state layers
-    assert tri.triton_per_batch == 7 and eager.triton_per_batch == 0
+    # the window's 2 launches, the EP statistic of its 2 couplings, the readout's frame and its loss and gradients, the
+    # fused update's 2, the cap of the one dense coupling between state layers and the window metrics' 2
+    assert tri.triton_per_batch == 11 and eager.triton_per_batch == 0
     assert graph.note == "n/a (CUDA graphs need a CUDA device)" and "triton+graph" in table
 
 
