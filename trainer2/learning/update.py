@@ -227,7 +227,7 @@ def fused_caps(machine: Machine) -> list[Callable[[Tensor], None]]:
     ]
 
 
-def window_metrics(table: ParamTable, machine: Machine):
+def metrics_kernel(table: ParamTable, machine: Machine):
     """The window's metrics in two Triton launches (trainer2.physics.kernels.window_metrics) where
     `metrics_kernel_wanted` takes them for this device and the class probabilities fit one program, else None (the
     torch operators). Imports triton, so call it only once the fused update is chosen."""
@@ -312,7 +312,7 @@ class Updater:
         self.caps = fused_caps(machine) if self.fused is not None else []
         # Beside the fused update, the window's metrics in two launches (kernels/window_metrics.py) where
         # metrics_kernel_wanted says so
-        self.metrics_kernel = window_metrics(table, machine) if self.fused is not None else None
+        self.metrics_kernel = metrics_kernel(table, machine) if self.fused is not None else None
 
     def gather(self, grads: dict[str, Tensor]) -> Tensor:
         """Copy the named gradients into the flat buffer (one copy); returns it."""

@@ -22,10 +22,10 @@ BLOCK = 32  # rows of W (units above) and columns (units below) a program, and b
 
 
 @triton.jit
-def tile(ptr, rows, cols, n_rows, n_cols, stride):
-    """The (len(rows), len(cols)) tile of a row-major matrix, zero outside it."""
+def tile(ptr, rows, cols, n_rows, n_cols):
+    """The (len(rows), len(cols)) tile of a contiguous (n_rows, n_cols) matrix, zero outside it."""
     inside = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=inside, other=0.0)
+    return tl.load(ptr + rows[:, None] * n_cols + cols[None, :], mask=inside, other=0.0)
 
 
 @triton.jit
@@ -41,8 +41,6 @@ def ep_statistic_kernel(
     rows,
     n_above,
     n_below,
-    a_stride,
-    b_stride,
     CLAMPED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -57,9 +55,9 @@ def ep_statistic_kernel(
     first = tl.program_id(1) == 0
     for r0 in range(0, rows, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
-        a_minus = tile(am_ptr, r, i, rows, n_above, a_stride)
-        a_plus = tile(ap_ptr, r, i, rows, n_above, a_stride)
-        b_minus = tile(bm_ptr, r, j, rows, n_below, b_stride)
+        a_minus = tile(am_ptr, r, i, rows, n_above)
+        a_plus = tile(ap_ptr, r, i, rows, n_above)
+        b_minus = tile(bm_ptr, r, j, rows, n_below)
         if CLAMPED:  # as ep_grads_clamped: d = (minus - plus) * scale, then d^T x and d's column sums
             d = (a_minus - a_plus) * scale
             acc += mm(tl.trans(d), b_minus)
@@ -68,7 +66,7 @@ def ep_statistic_kernel(
                 keep = (r < rows)[:, None] & (i < n_above)[None, :]
                 tl.store(d_ptr + r[:, None] * n_above + i[None, :], d, mask=keep)
         else:
-            b_plus = tile(bp_ptr, r, j, rows, n_below, b_stride)
+            b_plus = tile(bp_ptr, r, j, rows, n_below)
             acc += mm(tl.trans(a_minus), b_minus) - mm(tl.trans(a_plus), b_plus)
             bias += tl.sum(a_minus - a_plus, axis=0)
     if not CLAMPED:
@@ -125,7 +123,7 @@ class EPStatistic:
             grid = (triton.cdiv(n_above, BLOCK), triton.cdiv(n_below, BLOCK))
             ep_statistic_kernel[grid](
                 above_p, below_p, above_m, below_m, gw, gb, d, self.scale, rows, n_above, n_below,
-                n_above, n_below, CLAMPED=clamped, BLOCK=BLOCK,
+                CLAMPED=clamped, BLOCK=BLOCK,
             )  # fmt: skip
             self.launches += 1
             grads[f"W_{c.name}"], grads[f"b_{c.name}"] = gw, gb

@@ -3,8 +3,9 @@ the window's observables, the update's norm per parameter group, the non-finite 
 where the torch operators take 13: partial sums over the flat buffers by many programs, then one program that adds
 them up in a fixed order, with the batch's loss and argmax, into the metric sums. It runs beside the fused update.
 
-Its torch reference is the dict that Updater.apply adds without it; tests/test_window_metrics.py compares the two:
-the counts, the correct predictions and the flags equal, the sums within rounding (another order of addition).
+Its torch reference is Updater.window_metrics, the dict Updater.apply adds without it; tests/test_window_metrics.py
+compares the two: the counts, the correct predictions and the flags equal, the sums within rounding (another order
+of addition).
 """
 
 from __future__ import annotations
