@@ -27,11 +27,12 @@ it in a second call with --parts):
               (--readout_backend triton), and its graph = eager case (`dense, frame kernel`); since 64c1620's rows
               (AUTO_TAKES_TRITON_FRAME on) dev8's and dev4096's triton+graph rows take it too, so these repeat them
               with the kernels asked for by name;
-  ep-metrics  dev batch 8 and 4096, triton+graph with the EP statistic a launch per coupling and the window's
-              metrics in two launches as well (kernels/ep_statistic.py, kernels/window_metrics.py;
-              AUTO_TAKES_TRITON_EP and AUTO_TAKES_TRITON_METRICS switched on for these rows only): where the CUDA
-              tests pass (triton_window_check and update_check compare them) and these rows beat dev8's and
-              dev4096's triton+graph rows, set the switches;
+  ep-metrics  dev batch 8 and 4096, triton+graph with the EP statistic a launch per coupling, the window's
+              observables in one launch, the rotor's angle gradient in one and the window's metrics in two as well
+              (kernels/ep_statistic.py, window_stats.py, rotor_angle_grad.py, window_metrics.py; AUTO_TAKES_TRITON_EP,
+              _STATS, _ROTOR and _METRICS switched on for these rows only): where the CUDA tests pass
+              (triton_window_check and update_check compare them) and these rows beat dev8's and dev4096's
+              triton+graph rows, set the switches;
   conv, dev64, production, deep   more bench rows: the conv preset at batch 128 (eager, graph, compile+graph), dev
               batch 64 (as dev8), production and deep (eager, graph, triton+graph).
 
@@ -151,7 +152,14 @@ VARIANTS = {
 }
 # A part whose rows run with `auto` switches of trainer2/physics/kernels/backend.py on that a run does not have on yet
 # (a kernel never compiled on a GPU spoils only those rows if it fails)
-SWITCHED_ON = {"ep-metrics": ("AUTO_TAKES_TRITON_EP", "AUTO_TAKES_TRITON_METRICS")}
+SWITCHED_ON = {
+    "ep-metrics": (
+        "AUTO_TAKES_TRITON_EP",
+        "AUTO_TAKES_TRITON_STATS",
+        "AUTO_TAKES_TRITON_ROTOR",
+        "AUTO_TAKES_TRITON_METRICS",
+    )
+}
 
 
 # The image presets: smoke runs keep their layers (the epoch parts shrink them), not SMOKE_DENSE's

@@ -1,6 +1,7 @@
 """The Triton window against the torch window on one device, at a preset's shapes (issue 24): the largest relative error
-of each phase's states, q history and spd, and of the EP statistic kernel against the couplings' own (kernels/
-ep_statistic.py), and on CUDA a captured-and-replayed Triton window against its eager run.
+of each phase's states, q history and spd, of the EP statistic kernel against the couplings' own (kernels/
+ep_statistic.py), of the observables and rotor angle kernels against their torch functions (kernels/window_stats.py,
+kernels/rotor_angle_grad.py), and on CUDA a captured-and-replayed Triton window against its eager run.
 
     python -m benchmarks.triton_window_check [--preset dev] [--batch_sizes 8 64 512 4096] [--FIELD VALUE ...]
 
@@ -62,6 +63,9 @@ def check(cfg, batch: int, device: torch.device) -> dict[str, float]:
         errors[f"{phase} q history"] = relative(a.q_hist, b.q_hist)
         errors[f"{phase} spd"] = relative(a.spd_hist, b.spd_hist)
     errors.update(ep_errors(tri, frees["triton"].x))
+    errors.update(stats_errors(tri))
+    if tri.readout_kernel is not None:
+        errors.update(rotor_errors(tri, frees["triton"]))
     if device.type == "cuda":
         errors.update(graph_replay(tri, frees["triton"]))
     return errors
@@ -86,6 +90,32 @@ def ep_errors(relax: Relaxation, x: torch.Tensor) -> dict[str, float]:
     }
     out["ep input grad"] = relative(got_gx, want_gx)
     return out
+
+
+def stats_errors(relax: Relaxation) -> dict[str, float]:
+    """The window observables kernel (kernels/window_stats.py, built here whatever AUTO_TAKES_TRITON_STATS says)
+    against Relaxation.free_stats and nudged_stats on the same workspaces, after both phases."""
+    from trainer2.physics.kernels.window_stats import WindowStatsKernel
+
+    nudged = relax.ws_nudged.spd_hist if relax.ws_nudged is not None else None
+    shape = None if nudged is None else tuple(nudged.shape)
+    kernel = WindowStatsKernel(tuple(relax.ws.spd_hist.shape), shape, relax.cfg.dt, relax.ws.spd_hist)
+    got = kernel(relax.m.readout.r_sc, relax.ws.spd_hist, nudged)
+    want = {**relax.free_stats(), **relax.nudged_stats()}
+    return {f"stats {k}": relative(got[k], w) for k, w in want.items()}
+
+
+def rotor_errors(relax: Relaxation, free) -> dict[str, float]:
+    """The rotor's angle gradient kernel (kernels/rotor_angle_grad.py, built here whatever AUTO_TAKES_TRITON_ROTOR
+    says) against rotor_angle_grad on the readout kernel's C and the frame's suffixes, at the free equilibrium."""
+    from trainer2.physics.kernels.rotor_angle_grad import RotorAngleGrad
+    from trainer2.physics.readout import rotor_angle_grad
+
+    relax.readout_grads(free)  # fills the readout kernel's C = (d loss / d R) R^T
+    c, suffix, layout = relax.readout_kernel.gcov, free.frame.suffix, relax.m.layout
+    return {
+        "rotor angle grad": relative(RotorAngleGrad(layout, c)(c, suffix, layout), rotor_angle_grad(c, suffix, layout))
+    }
 
 
 def readout_errors(got: ReadoutResult, want: ReadoutResult) -> dict[str, float]:

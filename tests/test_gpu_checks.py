@@ -42,13 +42,14 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
     assert int(rows[("dev", "4", "eager")][6]) > 0  # ops of the profiled batch step
     assert "CUDA graphs need a CUDA device" in rows[("dev", "4", "graph")][4]
     if importlib.util.find_spec("triton") and interpreting():
-        # 2 window launches, the EP statistic of the 2 couplings, the readout's frame and its loss and gradients, 2 of
-        # the fused update, 1 cap, 2 of the window's metrics, the weight average (the dev preset keeps one); in the
-        # interpreter the EP and metrics kernels join the Triton window and update whatever their switches say
-        assert rows[("dev", "4", "triton")][7].strip() == "12"
-        assert rows[("dev, torch readout", "4", "triton")][7].strip() == "10"  # the readout part: its kernels left out
-        assert rows[("dev, frame kernel", "4", "triton")][7].strip() == "12"  # the frame part: both readout kernels
-        assert rows[("dev, EP + metrics kernels", "4", "triton")][7].strip() == "12"
+        # 2 window launches, the EP statistic of the 2 couplings, the observables, the readout's frame, its loss and
+        # gradients and its rotor's angle gradient, 2 of the fused update, 1 cap, 2 of the window's metrics, the weight
+        # average (the dev preset keeps one); in the interpreter the EP, observables, rotor and metrics kernels join the
+        # Triton window, readout and update whatever their switches say
+        assert rows[("dev", "4", "triton")][7].strip() == "14"
+        assert rows[("dev, torch readout", "4", "triton")][7].strip() == "11"  # the readout part: its kernels left out
+        assert rows[("dev, frame kernel", "4", "triton")][7].strip() == "14"  # the frame part: the readout kernels
+        assert rows[("dev, EP + metrics kernels", "4", "triton")][7].strip() == "14"
     collected = re.search(r"CUDA tests \| (\d+) CUDA tests collected", "\n".join(lines))
     assert collected and int(collected.group(1)) >= 8  # pytest -m cuda finds the marked tests
     assert re.search(r"conv epoch \(DCHN shape\) \| [\d.]+ s \(the whole epoch, eager", "\n".join(lines))

@@ -23,8 +23,9 @@ from trainer2.physics.kernels.backend import (  # noqa: E402
     choose_readout_backend,
     readout_kernel,
 )
+from trainer2.physics.kernels.rotor_angle_grad import RotorAngleGrad  # noqa: E402
 from trainer2.physics.memory import MemoryBank  # noqa: E402
-from trainer2.physics.readout import ReadoutScratch, readout_frame, target_mask  # noqa: E402
+from trainer2.physics.readout import ReadoutScratch, readout_frame, rotor_layout, target_mask  # noqa: E402
 from trainer2.running.trainer import Trainer  # noqa: E402
 from trainer2.section import ConfigError  # noqa: E402
 from trainer2.train_config import build_config  # noqa: E402
@@ -72,7 +73,8 @@ def test_the_kernel_equals_readout_loss_and_grads(case, dtype):
     several programs and a second launch that adds their sums."""
     q, cost, mask, beta_r = readout(case, dtype)
     batch, n, classes = q.shape[0], q.shape[1], cost.num_classes
-    kernel = readout_grads.ReadoutGrads(batch, n, cost.cand.coords.shape[0], classes, beta_r, q)
+    rotor = RotorAngleGrad(cost.layout, q)  # theta through the rotor's kernel, as beside the Triton window here
+    kernel = readout_grads.ReadoutGrads(batch, n, cost.cand.coords.shape[0], classes, beta_r, q, rotor)
     for q_now in (q, q.flip(0) * 0.7):
         sc = ReadoutScratch.allocate(batch, n, cost.cand.coords.shape[0], q)
         ref = Retrieval.loss_and_grads(q_now, cost, mask, sc)
@@ -91,7 +93,7 @@ def test_the_kernel_equals_readout_loss_and_grads(case, dtype):
             assert float((a - b).abs().max()) <= TOL[dtype] * scale, (name, float((a - b).abs().max()), scale)
         assert float(ref.grads.protos.abs().max()) > 1e-4 and float(ref.grads.theta.abs().max()) > 1e-4  # not vacuous
     programs = {b: p for b, p in PROGRAMS}.get(batch, 1)
-    assert kernel.programs == programs and kernel.launches == (4 if programs > 1 else 2)
+    assert kernel.programs == programs and kernel.launches == (4 if programs > 1 else 2) and rotor.launches == 2
 
 
 def test_fits_bounds_the_candidates_and_the_rotors_tiles_in_bytes():
@@ -110,9 +112,12 @@ def test_readout_backend_triton_runs_it_where_it_can_and_auto_takes_it_on_cuda_o
 
     like, sizes = torch.zeros(1, dtype=torch.float64), (8, 16, 24, 24)
     tri = choose_readout_backend("triton", like, Retrieval, sizes)
-    assert tri.name == "triton" and isinstance(readout_kernel(tri, sizes, 1.0, like), readout_grads.ReadoutGrads)
+    layout = rotor_layout(16, 5, dtype=like.dtype)
+    kernel = readout_kernel(tri, sizes, 1.0, layout, like)
+    assert tri.name == "triton" and isinstance(kernel, readout_grads.ReadoutGrads)
+    assert isinstance(kernel.rotor, RotorAngleGrad)  # the interpreter always takes the rotor's kernel with it
     auto = choose_readout_backend("auto", like, Retrieval, sizes)
-    assert auto.name == "torch" and readout_kernel(auto, sizes, 1.0, like) is None and AUTO_TAKES_TRITON_READOUT
+    assert auto.name == "torch" and readout_kernel(auto, sizes, 1.0, layout, like) is None and AUTO_TAKES_TRITON_READOUT
     assert choose_readout_backend("torch", like, Retrieval, sizes).name == "torch"
     with pytest.raises(ConfigError, match="readout_backend: triton cannot run here: .*this run's is my_retrieval"):
         choose_readout_backend("triton", like, MyRetrieval, sizes)
@@ -166,8 +171,8 @@ def test_a_tensor_of_another_size_is_refused_by_name_not_read_past():
 
 def test_bench_triton_modes_keep_the_torch_readout_where_its_kernel_cannot_run(small_text):
     """A readout past one program (300 memory slots, float64) with the config's auto: the triton row is measured, with
-    the Triton window and update but the torch readout (5 launches, and the EP statistic's 2 and the metrics' 2 that
-    join them in the interpreter), not refused."""
+    the Triton window and update but the torch readout (5 launches, and the EP statistic's 2, the observables' 1 and
+    the metrics' 2 that join them in the interpreter), not refused."""
     from trainer2.data.load import load_dataset
     from trainer2.running.bench import host_batches, prepare
 
@@ -175,5 +180,5 @@ def test_bench_triton_modes_keep_the_torch_readout_where_its_kernel_cannot_run(s
     cfg = build_config([("test", {**flags, "memory_capacity": 300, "data": str(small_text), "device": "cpu"})])
     data = load_dataset(cfg.data, cfg.context_len, cfg.heldout_fraction)
     row, runner = prepare(cfg, data, torch.device("cpu"), 8, "triton", host_batches(data, 8, 2, 0))
-    assert row.note == "" and runner is not None and row.triton_per_batch == 9
+    assert row.note == "" and runner is not None and row.triton_per_batch == 10
     assert runner.batch_step.relax.readout_backend.name == "torch" and runner.batch_step.relax.backend.name == "triton"

@@ -91,6 +91,28 @@ def test_each_phase_equals_the_torch_window(dtype, hidden, memory, batch):
     assert float((tri.s_plus[-1] - tri.s_minus[-1]).abs().max()) > 1e3 * TOL[dtype]
 
 
+@pytest.mark.parametrize("hidden", [[12], [9, 7, 6]])
+def test_the_free_kernel_starts_from_rest_and_writes_s0_itself(hidden):
+    """The Triton free phase neither needs its state zeroed nor copies it out (free_phase does both only for torch's
+    steps): over a state left at 1 (a previous window's), it ends where the torch window ends from rest, s0 equals its
+    last state, and the nudged phases' row factors it forms itself give torch's nudged states."""
+    tri, ref = relaxations(("triton", "torch"), 0, hidden_sizes=hidden, batch_size=8)
+    assert tri.kernels_set_up and not ref.kernels_set_up
+    inputs, targets = tiny_batch(tri.cfg)
+    with torch.no_grad():
+        for r in (tri, ref):
+            for t in [*r.ws.state.s, *r.s0.s, r.ws_nudged.beta_col, r.ws_nudged.mask_beta, r.ws_nudged.neg_beta]:
+                t.fill_(1.0)  # stale values: a kernel that read them would move elsewhere
+        frees = [r.free_phase(inputs, targets) for r in (tri, ref)]
+        compare(tri, ref, False, TOL["float64"])
+        for a, b in zip(tri.s0.s, tri.ws.state.s, strict=True):
+            assert torch.equal(a, b) and float(a.abs().max()) > 0
+        for r, free in zip((tri, ref), frees):
+            r.nudged_phases(free)
+        compare(tri, ref, True, TOL["float64"])
+    assert float(tri.ws_nudged.beta_col.min()) == 1.0  # set_nudge_scale did not run for the kernels
+
+
 EVEN_ODD = [
     (hidden, memory, dtype) for hidden in ([12], [9, 7], [9, 7, 6]) for memory in (0, 16) for dtype in ("float32",)
 ]
@@ -317,9 +339,10 @@ def test_bench_times_the_triton_window_as_a_mode(small_text, monkeypatch):
     # the triton mode's 5 warm-up (warmup_steps 3 + 2), 2 timed and 1 profiled windows; none from eager or the
     # phase table
     assert len(spy.grids) == 5 + 2 + 1
-    # the window's 2 launches, the EP statistic of its 2 couplings, the readout's frame and its loss and gradients, the
-    # fused update's 2, the cap of the one dense coupling between state layers and the window metrics' 2
-    assert tri.triton_per_batch == 11 and eager.triton_per_batch == 0
+    # the window's 2 launches, the EP statistic of its 2 couplings, the observables, the readout's frame, its loss and
+    # gradients and its rotor's angles, the fused update's 2, the cap of the one dense coupling between state layers
+    # and the window metrics' 2
+    assert tri.triton_per_batch == 13 and eager.triton_per_batch == 0
     assert graph.note == "n/a (CUDA graphs need a CUDA device)" and "triton+graph" in table
 
 

@@ -51,7 +51,6 @@ def ep_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResu
     m = relax.m
     with relax.phase("free"):
         free = relax.free_phase(inputs, targets)
-        stats = relax.free_stats()
     with relax.phase("nudged"):
         relax.nudged_phases(free)
     with relax.phase("update"):  # forming the gradients counts as part of the update
@@ -60,11 +59,11 @@ def ep_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepResu
         at = relax.s0.s if relax.nudge.on_free_piece else None  # both phases on s0's piece of E, or each on its own
         stat = relax.ep_statistic  # energy.ep_grads, or its Triton kernel beside the Triton window
         grads, gx = stat(relax.s_plus, relax.s_minus, free.x, m.energy, scale, at, input_grad=m.emb is not None)
-        return step_result(relax, free, inputs, grads, gx, stats)
+        return step_result(relax, free, inputs, grads, gx)
 
 
 def step_result(
-    relax: Relaxation, free: FreeState, inputs: Tensor, grads: dict[str, Tensor], gx: Tensor | None, stats: dict
+    relax: Relaxation, free: FreeState, inputs: Tensor, grads: dict[str, Tensor], gx: Tensor | None
 ) -> StepResult:
     """The batch's StepResult from the energy's gradients and the input's (gx, or None): the readout's exact gradients
     at s0 from its cost, and the embedding's gathered from gx (text)."""
@@ -73,4 +72,4 @@ def step_result(
     grads.update(g_diag=res.grads.g_diag, theta=res.grads.theta, protos=res.grads.protos, r_sc=res.grads.r_sc)
     if gx is not None:
         grads["emb"] = embedding_grad(gx.reshape(-1, m.emb.shape[1]), inputs.flatten(), m.emb.shape[0])
-    return StepResult(grads, res.loss, res.probs, WindowStats(**stats, **relax.nudged_stats()))
+    return StepResult(grads, res.loss, res.probs, relax.window_stats())

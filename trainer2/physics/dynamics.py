@@ -164,7 +164,6 @@ class Workspace:
     drive: Tensor  # (R, H_1) W_1 x + b_1, filled before the window
     drives: list[Tensor]  # (R, H_j) per layer the input drives: [drive] for a chain (energy.input_drive)
     target_mask: Tensor  # (R, K) 1 where candidate k carries the example's label
-    label_hit: Tensor  # (R, K) bool, the same before conversion
     beta_sign: Tensor  # (R, 1) the nudging strength of each row (+beta, -beta or 0), fixed at allocation
     beta_col: Tensor  # (R, 1) per-row factor of the q nudge, set once per batch
     mask_beta: Tensor  # (R, K) target_mask * beta_col, set once per batch (fixed point)
@@ -239,7 +238,6 @@ class Workspace:
             drive=drives[0],
             drives=drives,
             target_mask=new(rows, k),
-            label_hit=torch.zeros(rows, k, dtype=torch.bool, device=like.device),
             beta_sign=beta_sign,
             beta_col=new(rows, 1),
             mask_beta=new(rows, k),

@@ -42,6 +42,7 @@ from trainer2.physics.kernels.backend import (
     make_phase_function,
     nudge_blocker,
     readout_kernel,
+    stats_kernel,
 )
 from trainer2.physics.machine import Machine
 from trainer2.physics.memory import MemoryBank
@@ -191,7 +192,6 @@ class Relaxation:
         self.backend = choose_backend(
             cfg.window_backend, like.device, like.dtype, self.integ, sizes, num_cand, kinds, served
         )
-        self.steps_fn = make_phase_function(self.backend, self.integ, graph)
         # The EP statistic (trainer2.physics.energy.ep_grads), or one Triton launch a coupling beside the Triton window;
         # a scheme without nudged phases (recurrent backprop's adjoint) forms no statistic
         phases = self.nudge.phases
@@ -200,7 +200,8 @@ class Relaxation:
         # The retrieval readout's loss and gradients at s0: the cost's torch operators, or one Triton launch
         counts = (batch, sizes[-1], num_cand, machine.num_classes)
         self.readout_backend = choose_readout_backend(cfg.readout_backend, like, self.cost, counts)
-        self.readout_kernel = readout_kernel(self.readout_backend, counts, machine.spec.retrieval_beta, like)
+        beta_r = machine.spec.retrieval_beta
+        self.readout_kernel = readout_kernel(self.readout_backend, counts, beta_r, machine.layout, like)
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
         self.targets = self.cost.uses_target or self.nudge.clamp  # each batch forms c_y per row (not the default)
         fixed, phases = self.integ.fixed_point, self.nudge.phases
@@ -210,14 +211,14 @@ class Relaxation:
             temps = [sizes[j] for j in staged_layers(machine.energy)] if self.integ.even_odd else None
         driven = [sizes[j] for j in graph.driven]
         self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed, temps, driven)
-        self.ws_nudged = (
-            Workspace.allocate(
-                phases * batch, sizes, num_cand, cfg.nudge_steps, list(self.nudge.betas), like, fixed, temps, driven
+        self.ws_nudged, betas, steps = None, list(self.nudge.betas), cfg.nudge_steps
+        if phases:  # none without nudged phases
+            self.ws_nudged = Workspace.allocate(
+                phases * batch, sizes, num_cand, steps, betas, like, fixed, temps, driven
             )
-            if phases
-            else None
-        )
         self.adjoint = adjoint_workspace(machine, batch, self.integ) if self.nudge.kind == "adjoint" else None
+        # The window's observables (free_stats and nudged_stats), or one Triton launch beside the Triton window
+        self.stats_kernel = stats_kernel(self.backend, self.ws, self.ws_nudged, cfg.dt)
         self.protos = machine.prototype_candidates()  # the live prototypes; labels and bias made once
         self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, machine.spec.eps, like)
         # The readout's frame and its fold once a batch: the torch functions, or one Triton launch beside the readout's
@@ -226,6 +227,8 @@ class Relaxation:
             machine.spec.eps, self.fold_blocks, like,
         )  # fmt: skip
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
+        self.steps_fn = make_phase_function(self.backend, self.integ, graph, self.s0.s)  # the steps of a phase
+        self.kernels_set_up = self.backend.name == "triton"  # rest, s0 and the nudge's row factors in the kernels
         # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
         nudged = self.ws_nudged.state.s if phases else []
         self.s_plus = self.nudge.plus(nudged, self.s0.s, batch) if phases else []  # none without nudged phases
@@ -263,16 +266,17 @@ class Relaxation:
             frame = readout_frame(m.readout, cand, m.layout, m.spec.retrieval_beta, m.spec.eps)
             fold = fold_frame(m.energy, frame, self.fold_blocks)
         cost = self.cost.frame(m.readout, frame, cand, m.num_classes, m.layout, self.one_hot)
-        torch.eq(targets[:, None], cand.labels[None, :], out=ws.label_hit)
-        ws.target_mask.copy_(ws.label_hit)
+        torch.eq(targets[:, None], cand.labels[None, :], out=ws.target_mask)  # 1.0 where the labels match
         if self.targets:
             self.cost.target(cost, ws.target_mask, ws.target)
         energy = m.energy.for_window()
         input_drive(x, energy, ws.drives)
-        ws.state.zero_()
+        if not self.kernels_set_up:
+            ws.state.zero_()
         free = FreeState(x, frame, fold, cand, cost, energy)
         self.relax(ws, free, cfg.free_steps, False, "free", at_rest=True)
-        self.s0.copy_(ws.state)
+        if not self.kernels_set_up:
+            self.s0.copy_(ws.state)
         return free
 
     def free_stats(self) -> dict[str, Tensor]:
@@ -292,7 +296,7 @@ class Relaxation:
         torch._foreach_copy_(*self.nudged_start)
         if self.nudge.clamp:
             clamp_output(ws)
-        else:
+        elif not self.kernels_set_up:  # the Triton nudged kernel forms each row's factors from beta_sign itself
             set_nudge_scale(ws, free.fold, self.integ, self.cost.folded)
         # Unclamped, the k phases start as k identical copies of s0 (their nudge enters through q's step alone).
         self.relax(ws, free, self.cfg.nudge_steps, True, "nudged", replicas=1 if self.nudge.clamp else k)
@@ -306,10 +310,6 @@ class Relaxation:
         adjoint_steps(free.energy, self.s0.s, aw, self.cfg.nudge_steps, self.integ.even_odd)
         return aw.mu
 
-    def nudged_lior(self) -> Tensor:
-        """Mean LIoR path length of the nudged phases (0-dim), after nudged_phases."""
-        return self.lior(self.ws_nudged.spd_hist.mean(), self.cfg.nudge_steps)
-
     def nudged_stats(self) -> dict[str, Tensor]:
         """The nudged phases' observables (after nudged_phases), 0-dim: their LIoR path length and their spd at the
         last step, the mean over the rows of every nudged phase (their convergence residual, as spd_last is the
@@ -317,7 +317,16 @@ class Relaxation:
         if self.ws_nudged is None:
             zero = torch.zeros((), dtype=self.ws.drive.dtype, device=self.device)
             return {"lior_nudge": zero, "spd_last_nudge": zero.clone()}
-        return {"lior_nudge": self.nudged_lior(), "spd_last_nudge": self.ws_nudged.spd_rows[-1].mean()}
+        lior = self.lior(self.ws_nudged.spd_hist.mean(), self.cfg.nudge_steps)
+        return {"lior_nudge": lior, "spd_last_nudge": self.ws_nudged.spd_rows[-1].mean()}
+
+    def window_stats(self) -> WindowStats:
+        """The window's observables, after its phases and before the update moves R_sc: the stats kernel's one launch
+        (views of its buffer, overwritten by the next window), or free_stats and nudged_stats."""
+        if self.stats_kernel is None:
+            return WindowStats(**self.free_stats(), **self.nudged_stats())
+        nudged = None if self.ws_nudged is None else self.ws_nudged.spd_hist
+        return WindowStats(**self.stats_kernel(self.m.readout.r_sc, self.ws.spd_hist, nudged))
 
     def lior(self, spd_mean: Tensor, steps: int) -> Tensor:
         """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean. Two

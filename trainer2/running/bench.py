@@ -166,10 +166,11 @@ def host_batches(data: Dataset, batch: int, n: int, seed: int) -> list[tuple[tor
 
 
 def triton_launches(step: BatchStep) -> int:
-    """Triton launches the step's window, EP statistic, readout, update, metrics and weight average have made so far
-    (their counters; 0 for the torch backends)."""
+    """Triton launches the step's window, EP statistic, observables, readout (and its rotor's angle gradient), update,
+    metrics and weight average have made so far (their counters; 0 for the torch backends)."""
     relax, average, updater = step.relax, step.average, step.updater
-    kernels = [relax.steps_fn, relax.ep_statistic, relax.readout_kernel, relax.frame_kernel, updater.fused]
+    kernels = [relax.steps_fn, relax.ep_statistic, relax.stats_kernel, relax.readout_kernel, relax.frame_kernel]
+    kernels += [getattr(relax.readout_kernel, "rotor", None), updater.fused]
     kernels += [*updater.caps, updater.metrics_kernel]
     kernels += [average.kernel] if average is not None else []
     return sum(getattr(k, "launches", 0) for k in kernels if k is not None)

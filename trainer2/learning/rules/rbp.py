@@ -21,12 +21,11 @@ def rbp_gradients(relax: Relaxation, inputs: Tensor, targets: Tensor) -> StepRes
     m = relax.m
     with relax.phase("free"):
         free = relax.free_phase(inputs, targets)
-        stats = relax.free_stats()
     with relax.phase("nudged"):
         mu = relax.adjoint_phase(free)
     with relax.phase("update"):
         grads, gx = adjoint_grads(relax.s0.s, mu, free.x, m.energy, relax.batch, input_grad=m.emb is not None)
-        return step_result(relax, free, inputs, grads, gx, stats)
+        return step_result(relax, free, inputs, grads, gx)
 
 
 class RBP:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer2.physics.costs.retrieval import Retrieval
-from trainer2.physics.dynamics import FoldBlocks, Integrator, PhaseFn, PhaseRun, phase_function
+from trainer2.physics.dynamics import FoldBlocks, Integrator, PhaseFn, PhaseRun, Workspace, phase_function
 from trainer2.physics.graph import Graph
 from trainer2.physics.graph_steps import graph_steps
 from trainer2.physics.nudge import NudgeScheme
@@ -51,6 +51,14 @@ AUTO_TAKES_TRITON_METRICS = False
 # torch operators take five: off on a GPU until a GPU session has compared it compiled (benchmarks/
 # triton_window_check.py) and counted the batch step's kernels; in Triton's interpreter it always joins the window.
 AUTO_TAKES_TRITON_EP = False
+# The window's observables in one launch (kernels/window_stats.py) beside the Triton window, where the torch operators
+# take nine: off on a GPU until a GPU session has compared it compiled (benchmarks/triton_window_check.py) and counted
+# the batch step's kernels; in Triton's interpreter it always joins the window.
+AUTO_TAKES_TRITON_STATS = False
+# The rotor's angle gradient in one launch (kernels/rotor_angle_grad.py) beside the readout kernel, where the torch
+# operators take four: off on a GPU until a GPU session has compared it compiled (benchmarks/triton_window_check.py)
+# and counted the batch step's kernels; in Triton's interpreter it always joins the readout kernel.
+AUTO_TAKES_TRITON_ROTOR = False
 # Triton stages each tl.dot's operands through shared memory, and the kernels' dots take whole layers: the largest
 # pair (BLOCK_ROWS rows of state and a coupling tile, padded) has to fit the GPU's shared memory per block. The slack
 # covers the kernel's other buffers: on an H200 the deep preset's 1024 x 32 float32 pair (192 KiB) asked for 234 KiB,
@@ -256,13 +264,19 @@ def choose_readout_backend(requested: str, like: torch.Tensor, cost: type, sizes
     return Backend("torch", f"auto: {blocker or 'the CPU (triton runs there only in its interpreter, when asked for)'}")
 
 
-def readout_kernel(backend: Backend, sizes: tuple[int, int, int, int], beta_r: float, like: torch.Tensor):
-    """The Triton readout (kernels/readout_grads.py) where `backend` is triton, else None; imports triton only then."""
+def readout_kernel(
+    backend: Backend, sizes: tuple[int, int, int, int], beta_r: float, layout: RotorLayout, like: torch.Tensor
+):
+    """The Triton readout (kernels/readout_grads.py) where `backend` is triton, else None; imports triton only then.
+    Its rotor's angle gradient takes one launch more (kernels/rotor_angle_grad.py) in Triton's interpreter or where
+    AUTO_TAKES_TRITON_ROTOR is on, else the torch function."""
     if backend.name != "triton":
         return None
     from trainer2.physics.kernels.readout_grads import ReadoutGrads
+    from trainer2.physics.kernels.rotor_angle_grad import RotorAngleGrad
 
-    return ReadoutGrads(*sizes, beta_r, like)
+    rotor = RotorAngleGrad(layout, like) if like.device.type == "cpu" or AUTO_TAKES_TRITON_ROTOR else None
+    return ReadoutGrads(*sizes, beta_r, like, rotor)
 
 
 def frame_kernel(
@@ -315,6 +329,19 @@ def ep_kernel(window: Backend, energy, scale: float, like: torch.Tensor):
     return ep_statistic.EPStatistic(scale, like) if ep_statistic.serves(energy) else None
 
 
+def stats_kernel(window: Backend, ws: Workspace, ws_nudged: Workspace | None, dt: float):
+    """The Triton window observables (kernels/window_stats.py) over the free and nudged workspaces' spd histories
+    (ws_nudged None without nudged phases) beside the Triton window (`window`: its backend) where Triton runs in its
+    interpreter or AUTO_TAKES_TRITON_STATS is on; else None (Relaxation.free_stats and nudged_stats)."""
+    like = ws.spd_hist
+    if window.name != "triton" or not (like.device.type == "cpu" or AUTO_TAKES_TRITON_STATS):
+        return None
+    from trainer2.physics.kernels.window_stats import WindowStatsKernel
+
+    nudged = None if ws_nudged is None else tuple(ws_nudged.spd_hist.shape)
+    return WindowStatsKernel(tuple(like.shape), nudged, dt, like)
+
+
 def metrics_kernel_wanted(device: torch.device) -> bool:
     """Whether the fused update on `device` brings the metrics kernel: in Triton's interpreter (the CPU's tests and
     benches) always, on a CUDA device while AUTO_TAKES_TRITON_METRICS is on."""
@@ -323,29 +350,31 @@ def metrics_kernel_wanted(device: torch.device) -> bool:
 
 class TritonWindow:
     """The fixed-point steps of a phase (Jacobi or even/odd, by the run's integrator) as one Triton launch per call, a
-    PhaseFn like fixed_point_steps. `launches`
-    counts the calls (a Python int, no tensor work), so a test can prove the kernels ran rather than a silent
-    fallback."""
+    PhaseFn like fixed_point_steps. A free run starts from rest itself when the run says it is at rest, and writes its
+    last state into `s0` (the saved free equilibrium's layers) as well, so the caller neither zeroes nor copies.
+    `launches` counts the calls (a Python int, no tensor work), so a test can prove the kernels ran rather than a
+    silent fallback."""
 
-    def __init__(self) -> None:
+    def __init__(self, s0: list[torch.Tensor]) -> None:
         from trainer2.physics.kernels.free_phase import free_window
         from trainer2.physics.kernels.nudged_phase import nudged_window
 
-        self.free, self.nudged = free_window, nudged_window
+        self.free, self.nudged, self.s0 = free_window, nudged_window, s0
         self.launches = 0
 
     def __call__(self, run: PhaseRun) -> None:
         if run.nudged:
             self.nudged(run.ws, run.energy, run.fold, run.start, run.steps, run.one_hot, run.integ.even_odd)
         else:
-            self.free(run.ws, run.energy, run.fold, run.start, run.steps, run.integ.even_odd)
+            self.free(run.ws, run.energy, run.fold, run.start, run.steps, run.integ.even_odd, run.at_rest, self.s0)
         self.launches += 1
 
 
-def make_phase_function(backend: Backend, integ: Integrator, graph: Graph) -> PhaseFn:
-    """The steps function of the chosen backend, for a chain or a graph energy."""
+def make_phase_function(backend: Backend, integ: Integrator, graph: Graph, s0: list[torch.Tensor]) -> PhaseFn:
+    """The steps function of the chosen backend, for a chain or a graph energy; s0: the free equilibrium's layers,
+    which the Triton free kernel writes."""
     if backend.name == "triton":
-        return TritonWindow()
+        return TritonWindow(s0)
     return graph_steps if integ.fixed_point and not graph.is_chain else phase_function(integ)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from trainer2.physics.dynamics import FoldedFrame, Workspace
 from trainer2.physics.energy import Energy
@@ -22,6 +23,7 @@ from trainer2.physics.kernels.chain import (
     mm,
     odd_half,
     row_major,
+    sized,
     speed,
     store_chain,
     store_rows,
@@ -47,6 +49,10 @@ def free_phase_kernel(
     c_ptr,
     qh_ptr,
     spd_ptr,
+    s0_h1_ptr,
+    s0_h2_ptr,
+    s0_h3_ptr,
+    s0_q_ptr,
     rows,
     start,
     steps,
@@ -57,6 +63,8 @@ def free_phase_kernel(
     HM,
     DEPTH: tl.constexpr,
     EVEN_ODD: tl.constexpr,
+    AT_REST: tl.constexpr,
+    TO_S0: tl.constexpr,
     BR: tl.constexpr,
     P1: tl.constexpr,
     P2: tl.constexpr,
@@ -88,6 +96,8 @@ def free_phase_kernel(
         PM,
         NP,
     )
+    if AT_REST:  # the phase starts from rest: every layer 0, whatever the state holds (the torch path zeroes it)
+        h1, h2, h3, q = tl.zeros_like(h1), tl.zeros_like(h2), tl.zeros_like(h3), tl.zeros_like(q)
     lt = load_tile(lt_ptr, lt_stride, N, N, NP, NP)  # L^T, the metric's square root, for spd
     c_eps = tl.load(c_ptr + N)  # sqrt(eps)
     store_rows(qh_ptr + start * rows * N, q, r, rows, N, NP)
@@ -104,16 +114,35 @@ def free_phase_kernel(
         tl.store(spd_ptr + t * rows + r, speed(q_new - q, lt, c_eps), mask=r < rows)
         q = q_new
     store_chain(h1_ptr, h2_ptr, h3_ptr, q_ptr, h1, h2, h3, q, r, rows, H1, H2, H3, N, DEPTH, P1, P2, P3, NP)
+    if TO_S0:  # the same rows into the saved free equilibrium (the torch path copies them after the phase)
+        store_chain(
+            s0_h1_ptr, s0_h2_ptr, s0_h3_ptr, s0_q_ptr, h1, h2, h3, q, r, rows, H1, H2, H3, N, DEPTH, P1, P2, P3, NP
+        )
 
 
 def free_window(
-    ws: Workspace, params: Energy, fold: FoldedFrame, start: int, steps: int, even_odd: bool = False
+    ws: Workspace,
+    params: Energy,
+    fold: FoldedFrame,
+    start: int,
+    steps: int,
+    even_odd: bool = False,
+    at_rest: bool = False,
+    s0: list[Tensor] | None = None,
 ) -> None:
     """`steps` free fixed-point steps from ws.state in one launch, Jacobi or even/odd; fills
     ws.q_hist[start:start + steps + 1] and ws.spd_hist[start:start + steps] as fixed_point_steps (even_odd_steps) does
-    (its ws.vel and ws.zv_hist scratch stays untouched)."""
+    (its ws.vel and ws.zv_hist scratch stays untouched). at_rest: start from 0 in every layer, whatever ws.state holds;
+    s0 (the state's layers, (B, H_i) each): where the last state is written as well."""
     args = chain_args(ws, params)
     row_major(fold.lt, fold.c)
+    out = s0 if s0 is not None else ws.state.s  # unwritten without TO_S0
+    sized(
+        ws.drive.dtype,
+        **{f"s0[{i}]": (t, tuple(h.shape)) for i, (t, h) in enumerate(zip(out, ws.state.s, strict=True))},
+    )
+    row_major(*out)
+    hidden = out[:-1] + [out[0]] * (3 - (len(out) - 1))  # stand-ins as chain_args', never read
     grid = (triton.cdiv(args["rows"], args["BR"]),)
     free_phase_kernel[grid](
         lt_ptr=fold.lt,
@@ -121,8 +150,14 @@ def free_window(
         c_ptr=fold.c,
         qh_ptr=ws.q_hist,
         spd_ptr=ws.spd_hist,
+        s0_h1_ptr=hidden[0],
+        s0_h2_ptr=hidden[1],
+        s0_h3_ptr=hidden[2],
+        s0_q_ptr=out[-1],
         start=start,
         steps=steps,
         EVEN_ODD=even_odd,
+        AT_REST=at_rest,
+        TO_S0=s0 is not None,
         **args,
     )

@@ -3,8 +3,9 @@ step with the readout's pull inside the loop (distances to every candidate under
 or memory-bank mask, each row's beta), the q history and each step's spd. Its torch reference is
 trainer2.physics.dynamics.fixed_point_steps (nudged=True) with readout_nudge, or even_odd_steps with EVEN_ODD.
 
-Each program owns BLOCK_ROWS rows of the stacked workspace; a row's beta comes in through its beta_col, so the two
-phases are the same program on different rows."""
+Each program owns BLOCK_ROWS rows of the stacked workspace; a row's beta comes in through its beta_sign (the kernel
+forms set_nudge_scale's factors from it, so the torch operators that set them do not run), so the two phases are the
+same program on different rows."""
 
 from __future__ import annotations
 
@@ -82,8 +83,7 @@ def nudged_phase_kernel(
     bias_ptr,
     scale_ptr,
     mask_ptr,
-    beta_ptr,
-    neg_beta_ptr,
+    sign_ptr,
     qh_ptr,
     spd_ptr,
     rows,
@@ -140,9 +140,13 @@ def nudged_phase_kernel(
     bias = tl.load(bias_ptr + kk, mask=kk < K, other=float("-inf"))
     neg_scale = tl.load(scale_ptr)
     c_eps = tl.load(c_eps_ptr + N)  # sqrt(eps)
+    # Each row's factors, as set_nudge_scale forms them in torch (the same products): beta_col = beta_sign * -beta_r
+    # R_sc, neg_beta = -beta_col and, one-hot, mask_beta = target_mask * beta_col
+    beta = tl.load(sign_ptr + r, mask=r < rows, other=0.0) * neg_scale
+    neg_beta = -beta
     mask = load_rows(mask_ptr, r, rows, K, KP)
-    beta = tl.load(beta_ptr + r, mask=r < rows, other=0.0)
-    neg_beta = tl.load(neg_beta_ptr + r, mask=r < rows, other=0.0)
+    if ONE_HOT:
+        mask = mask * beta[:, None]
     store_rows(qh_ptr + start * rows * N, q, r, rows, N, NP)
     for t in range(start, start + steps):
         w2, w3 = load_couplings(w2_ptr, w3_ptr, wo, H1, H2, H3, DEPTH, P1, P2, P3)
@@ -166,8 +170,9 @@ def nudged_phase_kernel(
 def nudged_window(
     ws: Workspace, params: Energy, fold: FoldedFrame, start: int, steps: int, one_hot: bool, even_odd: bool = False
 ) -> None:
-    """`steps` nudged fixed-point steps of every stacked row of ws in one launch (beta per row from set_nudge_scale),
-    Jacobi or even/odd; fills ws.q_hist and ws.spd_hist as fixed_point_steps (even_odd_steps) does."""
+    """`steps` nudged fixed-point steps of every stacked row of ws in one launch (each row's beta from its beta_sign and
+    the frame's -beta_r R_sc, formed in the kernel as set_nudge_scale forms it), Jacobi or even/odd; fills ws.q_hist
+    and ws.spd_hist as fixed_point_steps (even_odd_steps) does."""
     args = chain_args(ws, params)
     row_major(
         fold.lt,
@@ -176,10 +181,8 @@ def nudged_window(
         fold.yc2,
         fold.caug,
         fold.bias,
-        ws.mask_beta,
         ws.target_mask,
-        ws.beta_col,
-        ws.neg_beta,
+        ws.beta_sign,
     )
     n, k = args["N"], fold.yc2.shape[1]
     a = fold.mq_nudge[:, 2 * n + 2 :]  # A = L^T L, the last block of [-I | 0 | L^T | 0 | A]
@@ -195,9 +198,8 @@ def nudged_window(
         c_eps_ptr=fold.c,
         bias_ptr=fold.bias,
         scale_ptr=fold.neg_scale,
-        mask_ptr=ws.mask_beta if one_hot else ws.target_mask,
-        beta_ptr=ws.beta_col,
-        neg_beta_ptr=ws.neg_beta,
+        mask_ptr=ws.target_mask,
+        sign_ptr=ws.beta_sign,
         qh_ptr=ws.q_hist,
         spd_ptr=ws.spd_hist,
         start=start,

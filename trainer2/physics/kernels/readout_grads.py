@@ -5,8 +5,8 @@ walks its rows in blocks of 16 and keeps the candidates (K, n) and the sums in r
 to 32 KiB of padded candidates x coordinates and of the (n, n) rotor (`fits`: 16 coordinates and 512 candidates in
 float32, 256 in float64; at most 64 coordinates). A
 batch of more than 64 rows is shared among programs, and a second launch adds their sums in a fixed order (no atomics:
-the same numbers every call). The rotor's angle gradient, a few products over its planes, stays in torch
-(`rotor_angle_grad`).
+the same numbers every call). The rotor's angle gradient, a few products over its planes, is one launch more
+(kernels/rotor_angle_grad.py) or torch's `rotor_angle_grad`.
 
 Its torch reference is trainer2.physics.readout.readout_loss_and_grads; tests/test_readout_grads.py compares the two.
 The sums run in another order than torch's products, so the two agree to rounding, not bitwise.
@@ -31,6 +31,7 @@ from trainer2.physics.kernels.chain import (
     sized,
     sqrt_ieee,
 )
+from trainer2.physics.kernels.rotor_angle_grad import RotorAngleGrad
 from trainer2.physics.readout import ReadoutParams, ReadoutResult, rotor_angle_grad
 
 MAX_BYTES = 32 * 1024  # of the largest padded tile, the candidates' (K, n) or the rotor's (n, n): they and the sum V
@@ -228,7 +229,14 @@ class ReadoutGrads:
     `launches` counts the launches (a Python int), as the other kernels' wrappers do."""
 
     def __init__(
-        self, batch: int, coordinates: int, candidates: int, num_classes: int, beta_r: float, like: Tensor
+        self,
+        batch: int,
+        coordinates: int,
+        candidates: int,
+        num_classes: int,
+        beta_r: float,
+        like: Tensor,
+        rotor: RotorAngleGrad | None = None,
     ) -> None:
         def new(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
@@ -246,6 +254,7 @@ class ReadoutGrads:
         self.programs = triton.cdiv(batch, ROWS_PER_PROGRAM)
         self.part = part_size(*self.blocks)  # each program's sums as padded tiles, where several share the batch
         self.parts = new(self.programs, self.part) if self.programs > 1 else new(1)
+        self.rotor = rotor  # the angle gradient's kernel, or None: rotor_angle_grad's torch operators
         self.launches = 0
 
     def __call__(self, q: Tensor, f: CostFrame, mask: Tensor) -> ReadoutResult:
@@ -267,7 +276,7 @@ class ReadoutGrads:
                 self.programs, n, k, v, PART=self.part, NP=np_, KP=kp, num_warps=self.warps,
             )  # fmt: skip
             self.launches += 1
-        grad_theta = rotor_angle_grad(self.gcov, r.suffix, f.layout)
+        grad_theta = (rotor_angle_grad if self.rotor is None else self.rotor)(self.gcov, r.suffix, f.layout)
         return ReadoutResult(
             self.loss, self.probs, ReadoutParams(self.grad_g, grad_theta, self.grad_protos, self.grad_r)
         )
