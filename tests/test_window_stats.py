@@ -58,15 +58,18 @@ def test_recurrent_backprop_gets_zeros_for_the_nudged_phases():
     assert float(got.spd_mean) == pytest.approx(float(want.spd_mean), rel=1e-14) and float(want.spd_mean) > 0
 
 
-def test_the_batch_step_launches_it_once(monkeypatch):
+def test_the_batch_step_launches_it_once_before_the_update(monkeypatch):
+    """One launch a batch step, and its R_sc is the one the window relaxed with: the update moves R_sc afterwards."""
     spy = Spy(window_stats.window_stats_kernel)
     monkeypatch.setattr(window_stats, "window_stats_kernel", spy)
-    cfg = tiny_config(window_backend="triton", free_steps=4, nudge_steps=2)
+    cfg = tiny_config(window_backend="triton", free_steps=4, nudge_steps=2, eta_update=0.05)
     step = build_step(tiny_machine(cfg), cfg, cfg, cfg.batch_size)
-    runner = StepRunner(step)
+    runner, r_sc = StepRunner(step), step.relax.m.readout.r_sc
     runner.step(*tiny_batch(cfg, seed=0))
+    before = float(r_sc)
     runner.step(*tiny_batch(cfg, seed=1))
     assert spy.grids == [(1,), (1,)] and step.relax.stats_kernel.launches == 2
+    assert float(step.relax.stats_kernel.views["R_mean"]) == before != float(r_sc)
 
 
 def test_a_history_of_another_shape_is_refused_by_name():

@@ -165,9 +165,9 @@ class Workspace:
     drives: list[Tensor]  # (R, H_j) per layer the input drives: [drive] for a chain (energy.input_drive)
     target_mask: Tensor  # (R, K) 1 where candidate k carries the example's label
     beta_sign: Tensor  # (R, 1) the nudging strength of each row (+beta, -beta or 0), fixed at allocation
-    beta_col: Tensor  # (R, 1) per-row factor of the q nudge, set once per batch
-    mask_beta: Tensor  # (R, K) target_mask * beta_col, set once per batch (fixed point)
-    neg_beta: Tensor  # (R, 1) -beta_col (fixed point)
+    beta_col: Tensor  # (R, 1) per-row factor of the q nudge, set once per batch (torch's steps; Triton forms its own)
+    mask_beta: Tensor  # (R, K) target_mask * beta_col, set once per batch (fixed point, torch's steps)
+    neg_beta: Tensor  # (R, 1) -beta_col (fixed point, torch's steps)
     spd_hist: Tensor  # (T, R) spd of every step
     spd_rows: list[Tensor]  # the rows of spd_hist, made once (a leapfrog step writes one)
     # fixed point
@@ -299,8 +299,11 @@ class PhaseRun:
     one_hot: bool
     force: Force | None = None
     clamp: bool = False
-    at_rest: bool = False  # every layer of ws.state is 0 at step `start` (a free phase's first run)
+    at_rest: bool = False  # the run starts from 0 in every layer (a free phase's first run): torch's steps read the
+    # zeroed state and skip the pulls of layers still at 0; the Triton free kernel starts from 0 whatever it holds
     replicas: int = 1  # ws.state is this many identical row blocks at step `start` (the nudged phases, from s0)
+    to_s0: bool = False  # a free phase's run: the Triton free kernel also writes its last state into s0 (torch's steps
+    # leave the copy to free_phase)
     q_step: Callable[["PhaseRun", Tensor, Tensor, Tensor], None] = field(init=False, repr=False)
     # What the even/odd step's up pulls found for the pulls down (`layer_pulls`); None: no coupling's pull down reads
     # its layer below (dense, average pooling), or one cannot tell what

@@ -200,8 +200,8 @@ class Relaxation:
         # The retrieval readout's loss and gradients at s0: the cost's torch operators, or one Triton launch
         counts = (batch, sizes[-1], num_cand, machine.num_classes)
         self.readout_backend = choose_readout_backend(cfg.readout_backend, like, self.cost, counts)
-        beta_r = machine.spec.retrieval_beta
-        self.readout_kernel = readout_kernel(self.readout_backend, counts, beta_r, machine.layout, like)
+        beta_r, layout = machine.spec.retrieval_beta, machine.layout
+        self.readout_kernel = readout_kernel(self.readout_backend, counts, beta_r, layout, like)
         self.one_hot = memory is None  # every label has exactly one candidate, its prototype
         self.targets = self.cost.uses_target or self.nudge.clamp  # each batch forms c_y per row (not the default)
         fixed, phases = self.integ.fixed_point, self.nudge.phases
@@ -211,10 +211,11 @@ class Relaxation:
             temps = [sizes[j] for j in staged_layers(machine.energy)] if self.integ.even_odd else None
         driven = [sizes[j] for j in graph.driven]
         self.ws = Workspace.allocate(batch, sizes, num_cand, cfg.free_steps, [0.0], like, fixed, temps, driven)
-        self.ws_nudged, betas, steps = None, list(self.nudge.betas), cfg.nudge_steps
-        if phases:  # none without nudged phases
+        self.ws_nudged = None  # none without nudged phases
+        if phases:
+            betas = list(self.nudge.betas)
             self.ws_nudged = Workspace.allocate(
-                phases * batch, sizes, num_cand, steps, betas, like, fixed, temps, driven
+                phases * batch, sizes, num_cand, cfg.nudge_steps, betas, like, fixed, temps, driven
             )
         self.adjoint = adjoint_workspace(machine, batch, self.integ) if self.nudge.kind == "adjoint" else None
         # The window's observables (free_stats and nudged_stats), or one Triton launch beside the Triton window
@@ -223,12 +224,12 @@ class Relaxation:
         self.fold_blocks = FoldBlocks.make(sizes[-1], num_cand, machine.spec.eps, like)
         # The readout's frame and its fold once a batch: the torch functions, or one Triton launch beside the readout's
         self.frame_kernel = frame_kernel(
-            self.readout_backend, cfg.readout_backend, machine.layout, num_cand, machine.spec.retrieval_beta,
+            self.readout_backend, cfg.readout_backend, layout, num_cand, beta_r,
             machine.spec.eps, self.fold_blocks, like,
         )  # fmt: skip
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
         self.steps_fn = make_phase_function(self.backend, self.integ, graph, self.s0.s)  # the steps of a phase
-        self.kernels_set_up = self.backend.name == "triton"  # rest, s0 and the nudge's row factors in the kernels
+        self.kernels_set_up = getattr(self.steps_fn, "sets_up", False)  # rest, s0, the nudge's factors (Triton)
         # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
         nudged = self.ws_nudged.state.s if phases else []
         self.s_plus = self.nudge.plus(nudged, self.s0.s, batch) if phases else []  # none without nudged phases
@@ -274,7 +275,7 @@ class Relaxation:
         if not self.kernels_set_up:
             ws.state.zero_()
         free = FreeState(x, frame, fold, cand, cost, energy)
-        self.relax(ws, free, cfg.free_steps, False, "free", at_rest=True)
+        self.relax(ws, free, cfg.free_steps, False, "free", at_rest=True, to_s0=True)
         if not self.kernels_set_up:
             self.s0.copy_(ws.state)
         return free
@@ -283,7 +284,7 @@ class Relaxation:
         """The free window's observables (call right after free_phase): batch means, 0-dim."""
         spd_mean = self.ws.spd_hist.mean()  # (T, B): spd_hist holds exactly this window's steps
         return {
-            "lior_mean": self.lior(spd_mean, self.cfg.free_steps),
+            "lior_mean": lior(self.m.readout.r_sc, self.cfg.dt * self.cfg.free_steps, spd_mean),
             "spd_mean": spd_mean,
             "spd_last": self.ws.spd_rows[-1].mean(),
             "R_mean": self.m.readout.r_sc.clone(),
@@ -317,8 +318,8 @@ class Relaxation:
         if self.ws_nudged is None:
             zero = torch.zeros((), dtype=self.ws.drive.dtype, device=self.device)
             return {"lior_nudge": zero, "spd_last_nudge": zero.clone()}
-        lior = self.lior(self.ws_nudged.spd_hist.mean(), self.cfg.nudge_steps)
-        return {"lior_nudge": lior, "spd_last_nudge": self.ws_nudged.spd_rows[-1].mean()}
+        path = lior(self.m.readout.r_sc, self.cfg.dt * self.cfg.nudge_steps, self.ws_nudged.spd_hist.mean())
+        return {"lior_nudge": path, "spd_last_nudge": self.ws_nudged.spd_rows[-1].mean()}
 
     def window_stats(self) -> WindowStats:
         """The window's observables, after its phases and before the update moves R_sc: the stats kernel's one launch
@@ -327,11 +328,6 @@ class Relaxation:
             return WindowStats(**self.free_stats(), **self.nudged_stats())
         nudged = None if self.ws_nudged is None else self.ws_nudged.spd_hist
         return WindowStats(**self.stats_kernel(self.m.readout.r_sc, self.ws.spd_hist, nudged))
-
-    def lior(self, spd_mean: Tensor, steps: int) -> Tensor:
-        """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of `steps` steps whose mean spd is spd_mean. Two
-        products, not one addcmul: CUDA's and Inductor's addcmul multiply in another order (other bits)."""
-        return torch.mul(self.m.readout.r_sc, self.cfg.dt * steps).mul_(spd_mean)
 
     def run(
         self,
@@ -342,9 +338,11 @@ class Relaxation:
         nudged: bool,
         at_rest: bool = False,
         replicas: int = 1,
+        to_s0: bool = False,
     ) -> None:
-        """Relaxation steps start .. start + steps - 1 of a phase over workspace ws; at_rest: every layer of ws.state is
-        0 (free_phase zeroed it), so the first step skips the pulls of layers still at 0; replicas: ws.state is that
+        """Relaxation steps start .. start + steps - 1 of a phase over workspace ws; at_rest: the phase starts from 0 in
+        every layer (PhaseRun.at_rest), so the first step skips the pulls of layers still at 0; to_s0: free_phase's run
+        (PhaseRun.to_s0); replicas: ws.state is that
         many identical row blocks (the unclamped nudged phases from s0), so the first step forms the pulls that do not
         read the nudged q on one block."""
         force = None
@@ -368,8 +366,9 @@ class Relaxation:
                 self.one_hot,
                 force,
                 clamp,
-                at_rest,
-                replicas,
+                at_rest=at_rest,
+                replicas=replicas,
+                to_s0=to_s0,
             )
         )
 
@@ -382,20 +381,20 @@ class Relaxation:
         name: str,
         at_rest: bool = False,
         replicas: int = 1,
+        to_s0: bool = False,
     ) -> None:
         """A phase of `steps` steps; with on_steps set, in chunks of progress_every steps, each followed by one
         transfer of [spd_last mean, lior mean] (the chunks give the same result as one run)."""
         every = self.progress_every
         if self.on_steps is None or every < 1:
-            self.run(ws, free, 0, steps, nudged, at_rest, replicas)
+            self.run(ws, free, 0, steps, nudged, at_rest, replicas, to_s0)
             return
         for done in range(0, steps, every):
             n = min(every, steps - done)
-            self.run(ws, free, done, n, nudged, at_rest and done == 0, replicas if done == 0 else 1)
-            spd_last, lior = torch.stack(
-                [ws.spd_hist[done + n - 1].mean(), self.lior(ws.spd_hist[: done + n].mean(), done + n)]
-            ).tolist()
-            self.on_steps(name, done + n, steps, spd_last, lior)
+            self.run(ws, free, done, n, nudged, at_rest and done == 0, replicas if done == 0 else 1, to_s0)
+            path = lior(self.m.readout.r_sc, self.cfg.dt * (done + n), ws.spd_hist[: done + n].mean())
+            spd_last, path_so_far = torch.stack([ws.spd_hist[done + n - 1].mean(), path]).tolist()
+            self.on_steps(name, done + n, steps, spd_last, path_so_far)
 
     def readout_scores(self, free: FreeState) -> tuple[Tensor, Tensor]:
         """Per-example loss (B,) in nats and class probabilities (B, V) at s0, by the cost, without any gradient."""
@@ -412,6 +411,12 @@ class Relaxation:
         """Held-out scoring: (summed loss in nats, number correct), both 0-dim, after a free phase."""
         loss, probs = self.readout_scores(self.free_phase(inputs, targets))
         return loss.sum(), (probs.argmax(1) == targets).sum()
+
+
+def lior(r_sc: Tensor, span: float, spd_mean: Tensor) -> Tensor:
+    """The LIoR path length R_sc dt sum(spd) (batch mean, 0-dim) of steps spanning `span` = dt x steps whose mean spd
+    is spd_mean. Two products, not one addcmul: CUDA's and Inductor's addcmul multiply in another order (other bits)."""
+    return torch.mul(r_sc, span).mul_(spd_mean)
 
 
 def refuse_pieces_without_at(machine: Machine, nudge: NudgeScheme) -> None:

@@ -350,10 +350,12 @@ def metrics_kernel_wanted(device: torch.device) -> bool:
 
 class TritonWindow:
     """The fixed-point steps of a phase (Jacobi or even/odd, by the run's integrator) as one Triton launch per call, a
-    PhaseFn like fixed_point_steps. A free run starts from rest itself when the run says it is at rest, and writes its
-    last state into `s0` (the saved free equilibrium's layers) as well, so the caller neither zeroes nor copies.
-    `launches` counts the calls (a Python int, no tensor work), so a test can prove the kernels ran rather than a
-    silent fallback."""
+    PhaseFn like fixed_point_steps. It does a phase's set-up itself (`sets_up`): a free run at rest starts from 0, a
+    free run of free_phase (`to_s0`) writes its last state into `s0` (the saved free equilibrium's layers) as well, and
+    a nudged run forms its rows' factors, so the caller neither zeroes, copies nor sets them. `launches` counts the
+    calls (a Python int, no tensor work), so a test can prove the kernels ran rather than a silent fallback."""
+
+    sets_up = True
 
     def __init__(self, s0: list[torch.Tensor]) -> None:
         from trainer2.physics.kernels.free_phase import free_window
@@ -366,7 +368,8 @@ class TritonWindow:
         if run.nudged:
             self.nudged(run.ws, run.energy, run.fold, run.start, run.steps, run.one_hot, run.integ.even_odd)
         else:
-            self.free(run.ws, run.energy, run.fold, run.start, run.steps, run.integ.even_odd, run.at_rest, self.s0)
+            s0 = self.s0 if run.to_s0 else None
+            self.free(run.ws, run.energy, run.fold, run.start, run.steps, run.integ.even_odd, run.at_rest, s0)
         self.launches += 1
 
 

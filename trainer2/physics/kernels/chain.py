@@ -258,13 +258,19 @@ def sized(dtype: torch.dtype, **named: tuple[Tensor, tuple[int, ...]]) -> None:
             )
 
 
+def hidden_slots(layers: list[Tensor]) -> list[Tensor]:
+    """The kernels' three hidden-layer arguments from a state's layers (h_1 .. h_M, q): h_1 stands in for the layers a
+    shallower chain lacks (never read: DEPTH is a constexpr)."""
+    return layers[:-1] + [layers[0]] * (4 - len(layers))
+
+
 def chain_args(ws, params) -> dict:
     """The kernel arguments of the hidden chain and q for a workspace: the state tensors, drive, couplings, their
     sizes and tiles. Layers a shallower chain lacks are stood in for by h_1 (never read: DEPTH is a constexpr)."""
     s, w, b = ws.state.s, params.weights, params.biases
     row_major(*s, ws.drive, *w, *b, ws.q_hist, ws.spd_hist)
     depth = len(s) - 1
-    h = s[:-1] + [s[0]] * (3 - depth)
+    h = hidden_slots(s)
     w23 = w[1:depth] + [w[0]] * (3 - depth)
     b23 = b[1:depth] + [b[0]] * (3 - depth)
     sizes = [t.shape[1] for t in h]

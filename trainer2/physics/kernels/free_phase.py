@@ -16,6 +16,7 @@ from trainer2.physics.energy import Energy
 from trainer2.physics.kernels.chain import (
     chain_args,
     even_half,
+    hidden_slots,
     hidden_step,
     load_chain,
     load_couplings,
@@ -142,7 +143,7 @@ def free_window(
         **{f"s0[{i}]": (t, tuple(h.shape)) for i, (t, h) in enumerate(zip(out, ws.state.s, strict=True))},
     )
     row_major(*out)
-    hidden = out[:-1] + [out[0]] * (3 - (len(out) - 1))  # stand-ins as chain_args', never read
+    hidden = hidden_slots(out)
     grid = (triton.cdiv(args["rows"], args["BR"]),)
     free_phase_kernel[grid](
         lt_ptr=fold.lt,

@@ -66,8 +66,11 @@ class RotorAngleGrad:
         n = self.n
         row_major(c, suffix)
         sized(self.out.dtype, c=(c, (n, n)), suffix=(suffix, (self.layers + 1, n, n)))
-        if layout.index.shape[1] != self.k or layout.n != n:
-            raise ValueError(f"rotor angle kernel: built for {self.k} planes of {n} coordinates, given another layout")
+        if layout.index.shape[1] != self.k or layout.n != n:  # a layout is fixed by (n, k): the sizes say which
+            raise ValueError(
+                f"rotor angle kernel: built for {self.k} planes of {n} coordinates, given {layout.index.shape[1]} "
+                f"of {layout.n}"
+            )
         rotor_angle_grad_kernel[(1,)](self.out, c, suffix, self.index, self.k, n, NP=self.np, PLANES=self.planes)
         self.launches += 1
         return self.out

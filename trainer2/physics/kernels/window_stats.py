@@ -76,13 +76,10 @@ class WindowStatsKernel:
     def __call__(self, r_sc: Tensor, free_spd: Tensor, nudged_spd: Tensor | None) -> dict[str, Tensor]:
         if (nudged_spd is None) != (self.nudged_shape is None):
             raise ValueError(f"window stats kernel: built for nudged spd {self.nudged_shape}, given {nudged_spd}")
-        named = {"r_sc": (r_sc, ()), "free_spd": (free_spd, self.free_shape)}
-        if nudged_spd is not None:
-            named["nudged_spd"] = (nudged_spd, self.nudged_shape)
-        sized(self.dtype, **named)
-        row_major(free_spd, *([] if nudged_spd is None else [nudged_spd]))
-        nudged = free_spd if nudged_spd is None else nudged_spd  # an unread pointer without nudged phases
-        rows, nudged_rows = self.free_shape[1], 1 if self.nudged_shape is None else self.nudged_shape[1]
+        # Without nudged phases the free history stands in for the nudged pointer, never read (NUDGED off)
+        nudged, nudged_shape = (free_spd, self.free_shape) if nudged_spd is None else (nudged_spd, self.nudged_shape)
+        sized(self.dtype, r_sc=(r_sc, ()), free_spd=(free_spd, self.free_shape), nudged_spd=(nudged, nudged_shape))
+        row_major(free_spd, nudged)
         window_stats_kernel[(1,)](
             self.out,
             r_sc,
@@ -90,9 +87,9 @@ class WindowStatsKernel:
             free_spd,
             nudged,
             free_spd.numel(),
-            rows,
-            nudged.numel() if nudged_spd is not None else 1,
-            nudged_rows,
+            self.free_shape[1],
+            nudged.numel(),
+            nudged_shape[1],
             NUDGED=nudged_spd is not None,
             BLOCK=BLOCK,
         )
