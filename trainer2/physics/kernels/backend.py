@@ -76,6 +76,12 @@ class Backend:
     reason: str
 
 
+def unmeasured_kernel_wanted(switched_on: bool, device: torch.device) -> bool:
+    """Whether a kernel not yet measured on a GPU runs beside the kernels it joins: in Triton's interpreter (the CPU's
+    tests and benches) always, on a CUDA device while its AUTO_TAKES_TRITON_* switch (`switched_on`) is on."""
+    return device.type == "cpu" or switched_on
+
+
 def interpreting() -> bool:
     """Triton's interpreter is on (TRITON_INTERPRET=1): kernels run on CPU tensors, through numpy."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
@@ -275,7 +281,7 @@ def readout_kernel(
     from trainer2.physics.kernels.readout_grads import ReadoutGrads
     from trainer2.physics.kernels.rotor_angle_grad import RotorAngleGrad
 
-    rotor = RotorAngleGrad(layout, like) if like.device.type == "cpu" or AUTO_TAKES_TRITON_ROTOR else None
+    rotor = RotorAngleGrad(layout, like) if unmeasured_kernel_wanted(AUTO_TAKES_TRITON_ROTOR, like.device) else None
     return ReadoutGrads(*sizes, beta_r, like, rotor)
 
 
@@ -322,7 +328,7 @@ def ep_kernel(window: Backend, energy, scale: float, like: torch.Tensor):
     """The Triton EP statistic (kernels/ep_statistic.py) beside the Triton window (`window`: its backend) where every
     coupling is trainer2's Dense and Triton runs in its interpreter or AUTO_TAKES_TRITON_EP is on; else None (the
     couplings' own ep_grads). Imports triton only then."""
-    if window.name != "triton" or not (like.device.type == "cpu" or AUTO_TAKES_TRITON_EP):
+    if window.name != "triton" or not unmeasured_kernel_wanted(AUTO_TAKES_TRITON_EP, like.device):
         return None
     from trainer2.physics.kernels import ep_statistic
 
@@ -334,7 +340,7 @@ def stats_kernel(window: Backend, ws: Workspace, ws_nudged: Workspace | None, dt
     (ws_nudged None without nudged phases) beside the Triton window (`window`: its backend) where Triton runs in its
     interpreter or AUTO_TAKES_TRITON_STATS is on; else None (Relaxation.free_stats and nudged_stats)."""
     like = ws.spd_hist
-    if window.name != "triton" or not (like.device.type == "cpu" or AUTO_TAKES_TRITON_STATS):
+    if window.name != "triton" or not unmeasured_kernel_wanted(AUTO_TAKES_TRITON_STATS, like.device):
         return None
     from trainer2.physics.kernels.window_stats import WindowStatsKernel
 
@@ -345,7 +351,7 @@ def stats_kernel(window: Backend, ws: Workspace, ws_nudged: Workspace | None, dt
 def metrics_kernel_wanted(device: torch.device) -> bool:
     """Whether the fused update on `device` brings the metrics kernel: in Triton's interpreter (the CPU's tests and
     benches) always, on a CUDA device while AUTO_TAKES_TRITON_METRICS is on."""
-    return device.type == "cpu" or AUTO_TAKES_TRITON_METRICS
+    return unmeasured_kernel_wanted(AUTO_TAKES_TRITON_METRICS, device)
 
 
 class TritonWindow:

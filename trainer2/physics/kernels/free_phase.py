@@ -137,12 +137,12 @@ def free_window(
     s0 (the state's layers, (B, H_i) each): where the last state is written as well."""
     args = chain_args(ws, params)
     row_major(fold.lt, fold.c)
-    out = s0 if s0 is not None else ws.state.s  # unwritten without TO_S0
-    sized(
-        ws.drive.dtype,
-        **{f"s0[{i}]": (t, tuple(h.shape)) for i, (t, h) in enumerate(zip(out, ws.state.s, strict=True))},
-    )
-    row_major(*out)
+    out = ws.state.s  # stands in for s0 without TO_S0, never written
+    if s0 is not None:
+        shapes = {f"s0[{i}]": (t, tuple(h.shape)) for i, (t, h) in enumerate(zip(s0, ws.state.s, strict=True))}
+        sized(ws.drive.dtype, **shapes)
+        row_major(*s0)
+        out = s0
     hidden = hidden_slots(out)
     grid = (triton.cdiv(args["rows"], args["BR"]),)
     free_phase_kernel[grid](
