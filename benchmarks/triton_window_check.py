@@ -51,8 +51,10 @@ def check(cfg, batch: int, device: torch.device) -> dict[str, float]:
     x, y = inputs.to(device), targets.to(device)
     errors = {}
     # Stale values where the Triton kernels now do the set-up themselves (a start from rest, the copy into s0, the
-    # nudge's row factors): a kernel that read them would part from the torch window, which sets them
-    for t in [*tri.ws.state.s, *tri.s0.s, tri.ws_nudged.beta_col, tri.ws_nudged.mask_beta, tri.ws_nudged.neg_beta]:
+    # nudged rows' start, drive, target mask and factors): a kernel that read them would part from the torch window
+    nudged = tri.ws_nudged
+    stale = [*tri.ws.state.s, *tri.s0.s, *nudged.state.s, nudged.drive, nudged.target_mask]
+    for t in [*stale, nudged.beta_col, nudged.mask_beta, nudged.neg_beta]:
         t.fill_(1.0)
     frees = {k: r.free_phase(x, y) for k, r in relax.items()}
     if tri.readout_kernel is not None:  # the readout's loss and gradients at the free equilibrium, in one launch

@@ -91,17 +91,25 @@ def test_each_phase_equals_the_torch_window(dtype, hidden, memory, batch):
     assert float((tri.s_plus[-1] - tri.s_minus[-1]).abs().max()) > 1e3 * TOL[dtype]
 
 
+def stale_nudged_start(r: Relaxation) -> list[torch.Tensor]:
+    """What torch's nudged phases copy in or set before they run: the stacked workspace's state, drive, target mask
+    and row factors."""
+    ws = r.ws_nudged
+    return [*ws.state.s, ws.drive, ws.target_mask, ws.beta_col, ws.mask_beta, ws.neg_beta]
+
+
 @pytest.mark.parametrize("hidden", [[12], [9, 7, 6]])
-def test_the_free_kernel_starts_from_rest_and_writes_s0_itself(hidden):
+def test_the_kernels_set_their_phases_up_themselves(hidden):
     """The Triton free phase neither needs its state zeroed nor copies it out (free_phase does both only for torch's
-    steps): over a state left at 1 (a previous window's), it ends where the torch window ends from rest, s0 equals its
-    last state, and the nudged phases' row factors it forms itself give torch's nudged states."""
+    steps): over a state left at 1 (a previous window's), it ends where the torch window ends from rest and s0 equals
+    its last state. The nudged kernel reads s0, the drive and the target mask from the free rows, and forms the rows'
+    factors itself: over a stacked workspace left at 1 it gives torch's nudged states, and leaves those buffers be."""
     tri, ref = relaxations(("triton", "torch"), 0, hidden_sizes=hidden, batch_size=8)
     assert tri.kernels_set_up and not ref.kernels_set_up
     inputs, targets = tiny_batch(tri.cfg)
     with torch.no_grad():
         for r in (tri, ref):
-            for t in [*r.ws.state.s, *r.s0.s, r.ws_nudged.beta_col, r.ws_nudged.mask_beta, r.ws_nudged.neg_beta]:
+            for t in [*r.ws.state.s, *r.s0.s, *stale_nudged_start(r)]:
                 t.fill_(1.0)  # stale values: a kernel that read them would move elsewhere
         frees = [r.free_phase(inputs, targets) for r in (tri, ref)]
         compare(tri, ref, False, TOL["float64"])
@@ -110,7 +118,9 @@ def test_the_free_kernel_starts_from_rest_and_writes_s0_itself(hidden):
         for r, free in zip((tri, ref), frees):
             r.nudged_phases(free)
         compare(tri, ref, True, TOL["float64"])
-    assert float(tri.ws_nudged.beta_col.min()) == 1.0  # set_nudge_scale did not run for the kernels
+    ws = tri.ws_nudged
+    for t in (ws.drive, ws.target_mask, ws.beta_col):  # neither copied in nor set (set_nudge_scale did not run)
+        assert float(t.min()) == float(t.max()) == 1.0
 
 
 EVEN_ODD = [

@@ -228,14 +228,15 @@ class Relaxation:
             machine.spec.eps, self.fold_blocks, like,
         )  # fmt: skip
         self.s0 = State.zeros(batch, sizes, like, momenta=not self.integ.fixed_point)
-        self.steps_fn = make_phase_function(self.backend, self.integ, graph, self.s0.s)  # the steps of a phase
-        self.kernels_set_up = getattr(self.steps_fn, "sets_up", False)  # rest, s0, the nudge's factors (Triton)
+        self.steps_fn = make_phase_function(self.backend, self.integ, graph, self.s0.s, self.ws)  # a phase's steps
+        self.kernels_set_up = getattr(self.steps_fn, "sets_up", False)  # rest, s0, the nudged start (Triton)
         # The nudged equilibria, as views of the stacked workspace (the nudge scheme says which rows are which).
         nudged = self.ws_nudged.state.s if phases else []
         self.s_plus = self.nudge.plus(nudged, self.s0.s, batch) if phases else []  # none without nudged phases
         self.s_minus = self.nudge.minus(nudged, self.s0.s, batch) if phases else []
         # What every nudged phase starts from (the free phase's mask, drive, equilibrium and targets), copied in one
-        # operator: each of the stacked workspace's (phases x B, H) buffers seen as `phases` blocks of the batch's rows
+        # operator for torch's steps (the Triton kernel reads them in place): each of the stacked workspace's
+        # (phases x B, H) buffers seen as `phases` blocks of the batch's rows
         pairs: list[tuple[Tensor, Tensor]] = []
         if phases:
             pairs = [(self.ws_nudged.target_mask, self.ws.target_mask)]
@@ -294,11 +295,12 @@ class Relaxation:
         """Relax T_nudge steps from s0 on E + beta * loss (force blocks) or with q clamped (clamp blocks), every nudged
         phase at once (stacked rows)."""
         ws, k = self.ws_nudged, self.nudge.phases
-        torch._foreach_copy_(*self.nudged_start)
-        if self.nudge.clamp:
-            clamp_output(ws)
-        elif not self.kernels_set_up:  # the Triton nudged kernel forms each row's factors from beta_sign itself
-            set_nudge_scale(ws, free.fold, self.integ, self.cost.folded)
+        if not self.kernels_set_up:  # the Triton nudged kernel reads the free rows and forms their factors itself
+            torch._foreach_copy_(*self.nudged_start)
+            if self.nudge.clamp:
+                clamp_output(ws)
+            else:
+                set_nudge_scale(ws, free.fold, self.integ, self.cost.folded)
         # Unclamped, the k phases start as k identical copies of s0 (their nudge enters through q's step alone).
         self.relax(ws, free, self.cfg.nudge_steps, True, "nudged", replicas=1 if self.nudge.clamp else k)
 

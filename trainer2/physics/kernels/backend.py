@@ -358,32 +358,38 @@ class TritonWindow:
     """The fixed-point steps of a phase (Jacobi or even/odd, by the run's integrator) as one Triton launch per call, a
     PhaseFn like fixed_point_steps. It does a phase's set-up itself (`sets_up`): a free run at rest starts from 0, a
     free run of free_phase (`to_s0`) writes its last state into `s0` (the saved free equilibrium's layers) as well, and
-    a nudged run forms its rows' factors, so the caller neither zeroes, copies nor sets them. `launches` counts the
-    calls (a Python int, no tensor work), so a test can prove the kernels ran rather than a silent fallback."""
+    a nudged run reads its rows' drive and target mask from the free workspace `free_ws`, starts from `s0` at step 0
+    (every nudged phase starts there) and forms its rows' factors, so the caller neither zeroes, copies nor sets them.
+    `launches` counts the calls (a Python int, no tensor work), so a test can prove the kernels ran rather than a
+    silent fallback."""
 
     sets_up = True
 
-    def __init__(self, s0: list[torch.Tensor]) -> None:
+    def __init__(self, s0: list[torch.Tensor], free_ws: Workspace) -> None:
         from trainer2.physics.kernels.free_phase import free_window
         from trainer2.physics.kernels.nudged_phase import nudged_window
 
-        self.free, self.nudged, self.s0 = free_window, nudged_window, s0
+        self.free, self.nudged, self.s0, self.free_ws = free_window, nudged_window, s0, free_ws
         self.launches = 0
 
     def __call__(self, run: PhaseRun) -> None:
         if run.nudged:
-            self.nudged(run.ws, run.energy, run.fold, run.start, run.steps, run.one_hot, run.integ.even_odd)
+            s0 = self.s0 if run.start == 0 else None  # a later run of the phase goes on from the workspace's state
+            even_odd, free = run.integ.even_odd, self.free_ws
+            self.nudged(run.ws, run.energy, run.fold, run.start, run.steps, run.one_hot, even_odd, free, s0)
         else:
             s0 = self.s0 if run.to_s0 else None
             self.free(run.ws, run.energy, run.fold, run.start, run.steps, run.integ.even_odd, run.at_rest, s0)
         self.launches += 1
 
 
-def make_phase_function(backend: Backend, integ: Integrator, graph: Graph, s0: list[torch.Tensor]) -> PhaseFn:
+def make_phase_function(
+    backend: Backend, integ: Integrator, graph: Graph, s0: list[torch.Tensor], free_ws: Workspace
+) -> PhaseFn:
     """The steps function of the chosen backend, for a chain or a graph energy; s0: the free equilibrium's layers,
-    which the Triton free kernel writes."""
+    which the Triton free kernel writes, and free_ws the free phase's workspace: the nudged kernel reads both."""
     if backend.name == "triton":
-        return TritonWindow(s0)
+        return TritonWindow(s0, free_ws)
     return graph_steps if integ.fixed_point and not graph.is_chain else phase_function(integ)
 
 

@@ -74,7 +74,6 @@ def load_chain(
     h2_ptr,
     h3_ptr,
     q_ptr,
-    drive_ptr,
     wo_ptr,
     b2_ptr,
     b3_ptr,
@@ -92,18 +91,17 @@ def load_chain(
     PM: tl.constexpr,
     NP: tl.constexpr,
 ):
-    """A program's rows r of the state h_1..h_3, q and the drive, and the chain's constants: W_out (NP, PM), b_out,
-    b_2, b_3. Layers a shallower chain lacks come from its stand-ins and are never used."""
+    """Rows r (of `rows`) of the state h_1..h_3 and q, and the chain's constants: W_out (NP, PM), b_out, b_2, b_3.
+    Layers a shallower chain lacks come from its stand-ins and are never used."""
     h1 = load_rows(h1_ptr, r, rows, H1, P1)
     h2 = load_rows(h2_ptr, r, rows, H2, P2)
     h3 = load_rows(h3_ptr, r, rows, H3, P3)
     q = load_rows(q_ptr, r, rows, N, NP)
-    drive = load_rows(drive_ptr, r, rows, H1, P1)
     wo = load_tile(wo_ptr, HM, N, HM, NP, PM)  # (n, H_M)
     bo = load_vec(bo_ptr, N, NP)
     b2 = load_vec(b2_ptr, H2, P2)
     b3 = load_vec(b3_ptr, H3, P3)
-    return h1, h2, h3, q, drive, wo, bo, b2, b3
+    return h1, h2, h3, q, wo, bo, b2, b3
 
 
 @triton.jit

@@ -20,6 +20,7 @@ from trainer2.physics.kernels.chain import (
     hidden_step,
     load_chain,
     load_couplings,
+    load_rows,
     load_tile,
     mm,
     odd_half,
@@ -74,12 +75,11 @@ def free_phase_kernel(
     NP: tl.constexpr,
 ):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
-    h1, h2, h3, q, drive, wo, bo, b2, b3 = load_chain(
+    h1, h2, h3, q, wo, bo, b2, b3 = load_chain(
         h1_ptr,
         h2_ptr,
         h3_ptr,
         q_ptr,
-        drive_ptr,
         wo_ptr,
         b2_ptr,
         b3_ptr,
@@ -97,6 +97,7 @@ def free_phase_kernel(
         PM,
         NP,
     )
+    drive = load_rows(drive_ptr, r, rows, H1, P1)
     if AT_REST:  # the phase starts from rest: every layer 0, whatever the state holds (the torch path zeroes it)
         h1, h2, h3, q = tl.zeros_like(h1), tl.zeros_like(h2), tl.zeros_like(h3), tl.zeros_like(q)
     lt = load_tile(lt_ptr, lt_stride, N, N, NP, NP)  # L^T, the metric's square root, for spd

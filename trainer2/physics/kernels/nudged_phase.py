@@ -5,12 +5,14 @@ trainer2.physics.dynamics.fixed_point_steps (nudged=True) with readout_nudge, or
 
 Each program owns BLOCK_ROWS rows of the stacked workspace; a row's beta comes in through its beta_sign (the kernel
 forms set_nudge_scale's factors from it, so the torch operators that set them do not run), so the two phases are the
-same program on different rows."""
+same program on different rows. A row reads its start (s0), its drive and its target mask from the free phase's row it
+stands for, so nothing is copied into the stacked workspace before the phase."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from trainer2.physics.dynamics import FoldedFrame, Workspace
 from trainer2.physics.energy import Energy
@@ -18,6 +20,7 @@ from trainer2.physics.kernels.chain import (
     chain_args,
     div_ieee,
     even_half,
+    hidden_slots,
     hidden_step,
     load_chain,
     load_couplings,
@@ -27,6 +30,7 @@ from trainer2.physics.kernels.chain import (
     odd_half,
     padded,
     row_major,
+    sized,
     speed,
     sqrt_ieee,
     store_chain,
@@ -86,7 +90,12 @@ def nudged_phase_kernel(
     sign_ptr,
     qh_ptr,
     spd_ptr,
+    s0_h1_ptr,
+    s0_h2_ptr,
+    s0_h3_ptr,
+    s0_q_ptr,
     rows,
+    src_rows,
     start,
     steps,
     H1,
@@ -98,6 +107,7 @@ def nudged_phase_kernel(
     DEPTH: tl.constexpr,
     EVEN_ODD: tl.constexpr,
     ONE_HOT: tl.constexpr,
+    FROM_S0: tl.constexpr,
     BR: tl.constexpr,
     P1: tl.constexpr,
     P2: tl.constexpr,
@@ -107,29 +117,20 @@ def nudged_phase_kernel(
     KP: tl.constexpr,
 ):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
-    h1, h2, h3, q, drive, wo, bo, b2, b3 = load_chain(
-        h1_ptr,
-        h2_ptr,
-        h3_ptr,
-        q_ptr,
-        drive_ptr,
-        wo_ptr,
-        b2_ptr,
-        b3_ptr,
-        bo_ptr,
-        r,
-        rows,
-        H1,
-        H2,
-        H3,
-        N,
-        HM,
-        P1,
-        P2,
-        P3,
-        PM,
-        NP,
-    )
+    # The stacked rows are `rows / src_rows` blocks of the batch: row r copies the free phase's row r % src_rows (its
+    # drive, its target mask and, FROM_S0, its equilibrium; the torch path copies them in); rows past the end none.
+    src = tl.where(r < rows, r % src_rows, src_rows)
+    if FROM_S0:  # a phase's first run starts at the free equilibrium s0
+        h1, h2, h3, q, wo, bo, b2, b3 = load_chain(
+            s0_h1_ptr, s0_h2_ptr, s0_h3_ptr, s0_q_ptr, wo_ptr, b2_ptr, b3_ptr, bo_ptr,
+            src, src_rows, H1, H2, H3, N, HM, P1, P2, P3, PM, NP,
+        )  # fmt: skip
+    else:  # a later run (a chunk of the phase) goes on from the workspace's state
+        h1, h2, h3, q, wo, bo, b2, b3 = load_chain(
+            h1_ptr, h2_ptr, h3_ptr, q_ptr, wo_ptr, b2_ptr, b3_ptr, bo_ptr,
+            r, rows, H1, H2, H3, N, HM, P1, P2, P3, PM, NP,
+        )  # fmt: skip
+    drive = load_rows(drive_ptr, src, src_rows, H1, P1)
     # The readout, fixed for the window: L^T, A = L^T L, -2 Yc^T and |yc|^2 + eps (yc2's rows), C, bias, the scale.
     lt = load_tile(lt_ptr, lt_stride, N, N, NP, NP)
     a = load_tile(a_ptr, a_stride, N, N, NP, NP)
@@ -144,7 +145,7 @@ def nudged_phase_kernel(
     # R_sc, neg_beta = -beta_col and, one-hot, mask_beta = target_mask * beta_col
     beta = tl.load(sign_ptr + r, mask=r < rows, other=0.0) * neg_scale
     neg_beta = -beta
-    mask = load_rows(mask_ptr, r, rows, K, KP)
+    mask = load_rows(mask_ptr, src, src_rows, K, KP)
     if ONE_HOT:
         mask = mask * beta[:, None]
     store_rows(qh_ptr + start * rows * N, q, r, rows, N, NP)
@@ -168,12 +169,23 @@ def nudged_phase_kernel(
 
 
 def nudged_window(
-    ws: Workspace, params: Energy, fold: FoldedFrame, start: int, steps: int, one_hot: bool, even_odd: bool = False
+    ws: Workspace,
+    params: Energy,
+    fold: FoldedFrame,
+    start: int,
+    steps: int,
+    one_hot: bool,
+    even_odd: bool = False,
+    free: Workspace | None = None,
+    s0: list[Tensor] | None = None,
 ) -> None:
     """`steps` nudged fixed-point steps of every stacked row of ws in one launch (each row's beta from its beta_sign and
     the frame's -beta_r R_sc, formed in the kernel as set_nudge_scale forms it), Jacobi or even/odd; fills ws.q_hist
-    and ws.spd_hist as fixed_point_steps (even_odd_steps) does."""
+    and ws.spd_hist as fixed_point_steps (even_odd_steps) does. free: the free phase's workspace (B rows), whose drive
+    and target mask stacked row r reads at row r % B (else ws's own, copied in); s0 (its layers, (B, H_i) each): the
+    state the run starts from, row r at r % B (else ws.state)."""
     args = chain_args(ws, params)
+    src = ws if free is None else free
     row_major(
         fold.lt,
         fold.c,
@@ -181,12 +193,26 @@ def nudged_window(
         fold.yc2,
         fold.caug,
         fold.bias,
-        ws.target_mask,
+        src.drive,
+        src.target_mask,
         ws.beta_sign,
     )
+    src_rows = src.drive.shape[0]
+    if args["rows"] % src_rows or tuple(src.target_mask.shape) != (src_rows, ws.target_mask.shape[1]):
+        raise ValueError(
+            f"Triton nudged kernel: {args['rows']} stacked rows are not blocks of the free phase's {src_rows} rows "
+            f"(target mask {tuple(src.target_mask.shape)})"
+        )
+    start_from = ws.state.s if s0 is None else s0
+    if s0 is not None:
+        want = {f"s0[{i}]": (t, (src_rows, h.shape[1])) for i, (t, h) in enumerate(zip(s0, ws.state.s, strict=True))}
+        sized(src.drive.dtype, **want)
+        row_major(*s0)
+    hidden = hidden_slots(start_from)
     n, k = args["N"], fold.yc2.shape[1]
     a = fold.mq_nudge[:, 2 * n + 2 :]  # A = L^T L, the last block of [-I | 0 | L^T | 0 | A]
     grid = (triton.cdiv(args["rows"], args["BR"]),)
+    args["drive_ptr"] = src.drive
     nudged_phase_kernel[grid](
         lt_ptr=fold.lt,
         lt_stride=fold.lt.stride(0),
@@ -198,15 +224,21 @@ def nudged_window(
         c_eps_ptr=fold.c,
         bias_ptr=fold.bias,
         scale_ptr=fold.neg_scale,
-        mask_ptr=ws.target_mask,
+        mask_ptr=src.target_mask,
         sign_ptr=ws.beta_sign,
         qh_ptr=ws.q_hist,
         spd_ptr=ws.spd_hist,
+        s0_h1_ptr=hidden[0],
+        s0_h2_ptr=hidden[1],
+        s0_h3_ptr=hidden[2],
+        s0_q_ptr=start_from[-1],
+        src_rows=src_rows,
         start=start,
         steps=steps,
         K=k,
         EVEN_ODD=even_odd,
         ONE_HOT=one_hot,
+        FROM_S0=s0 is not None,
         KP=padded(k),
         **args,
     )
