@@ -15,6 +15,10 @@ it in a second call with --parts):
   conv-epoch  the DCHN of Scellier et al. 2023 (3x3 conv layers 128-256-512-512, max pooling) on 50,000 synthetic
               3x32x32 images, batch 128, 60 free / 15 nudged steps, replayed as a CUDA graph: seconds per epoch (the
               whole epoch when it fits in its budget, else timed batches extrapolated to the epoch's 390);
+  conv-epoch-settled  the same machine at 16 free / 8 nudged even/odd steps, where its shape has settled (the CPU's
+              step counts at a sixteenth of the width: docs/relaxation.md): the goal's accuracy-preserving steps. Both
+              epoch rows print the last batch's residuals (res free / nudged: 1 at the floor), so the full width's
+              settling is read beside its time;
   resnet-epoch  the same for the hopfield_resnet13 preset (Hopfield-ResNet13: a graph energy of 3x3 convs, stride-2
               convs in place of pooling and 1x1 stride-2 skips, 128-256-512-512 channels, relu6 boxes) at its own
               steps, batch 128;
@@ -69,6 +73,10 @@ GOAL_GRAPH_SPEEDUP = 5.0  # graph over eager windows/s, dev batch 8
 FP32_PEAK_TFLOPS = {"H100 PCIe": 51.2, "H100": 66.9, "H200": 66.9, "A100": 19.5}
 DCHN_LAYERS = [{"conv": {"channels": c, "kernel": 3, "pool": 2, "pooling": "max"}} for c in (128, 256, 512, 512)]
 DCHN = {"layers": DCHN_LAYERS, "batch_size": 128, "free_steps": 60, "nudge_steps": 15}
+# The same machine at the even/odd steps where the DCHN's shape has settled: at a sixteenth of its width on MNIST,
+# 16 / 8 ends where 60 / 15 ends (residuals 1.000 / 1.000, the EP cosine to the exact gradient equal to 5 digits, the
+# free state 9e-8 from its fixed point; docs/relaxation.md#the-dchns-shape), with 2.8x fewer steps a window
+DCHN_SETTLED = {**DCHN, "free_steps": 16, "nudge_steps": 8}
 # The CPU smoke run: the same parts at sizes the CPU (and Triton's interpreter) get through in seconds.
 SMOKE_DENSE = {"layers": [{"dense": 16}], "coord_dim_n": 4, "free_steps": 3, "nudge_steps": 2, "device": "cpu"}
 SMOKE_DCHN = {
@@ -132,6 +140,7 @@ ESTIMATE_S = {  # 64c1620 on an H200 took 59, 4, 5, 34, 258, 1, 1, 66 (alone), 3
     "graph": 15,
     "dev4096": 15,
     "conv-epoch": 45,
+    "conv-epoch-settled": 25,  # a third of conv-epoch's steps; its warm-up and capture besides
     "resnet-epoch": 80,  # its timed batches stop at the epoch budget (60 s); warm-up and capture besides
     "tests": 300,  # the compile tests and the Triton window check, each in a child process
     "readout": 10,
@@ -367,6 +376,7 @@ def graph_part(
 # The epoch parts: part -> (preset, its overrides at GPU sizes, at smoke sizes, the goal row's name, the goal in s)
 EPOCH_PARTS = {
     "conv-epoch": ("conv", DCHN, SMOKE_DCHN, "conv epoch (DCHN shape)", GOAL_EPOCH_S),
+    "conv-epoch-settled": ("conv", DCHN_SETTLED, SMOKE_DCHN, "conv epoch (DCHN shape, 16 / 8 steps)", GOAL_EPOCH_S),
     "resnet-epoch": ("hopfield_resnet13", {}, SMOKE_RESNET, "hopfield_resnet13 epoch", GOAL_RESNET_EPOCH_S),
 }
 
@@ -422,8 +432,12 @@ def image_epoch(
     flops = window_flops(step.updater.m, cfg, data.num_classes) * cfg.batch_size * timed / seconds
     how = "the whole epoch" if timed == total else f"{timed} batches after warm-up, extrapolated to {total}"
     how += f", cudnn TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}" if cuda else ""
-    log(f"  {label}: {epoch:.1f} s ({how}; {runner.mode}); {flops / 1e12:.1f} TFLOP/s counted")
-    return {"seconds": epoch, "how": f"{how}, {runner.mode}", "tflops": flops / 1e12}
+    # The last batch's residuals (spd at each phase's last step / sqrt(eps), 1 at the floor): whether these steps settle
+    floor = cfg.eps**0.5
+    free, nudged = (float(ws.spd_rows[-1].mean()) / floor for ws in (step.relax.ws, step.relax.ws_nudged))
+    res = f"res free {free:.3f} / nudged {nudged:.3f}"
+    log(f"  {label}: {epoch:.1f} s ({how}; {runner.mode}); {flops / 1e12:.1f} TFLOP/s counted; {res}")
+    return {"seconds": epoch, "how": f"{how}, {runner.mode}", "tflops": flops / 1e12, "res": res}
 
 
 def cuda_tests(which: str, smoke: bool, timeout: float) -> str:
@@ -508,7 +522,9 @@ def goal_rows(rows: list, results: dict, commit: str, device_name: str, plan: Pl
         epoch = results.get(name)
         row(
             name,
-            f"{epoch['seconds']:.1f} s ({epoch['how']}; {epoch['tflops']:.1f} TFLOP/s)" if epoch else "not measured",
+            f"{epoch['seconds']:.1f} s ({epoch['how']}; {epoch['tflops']:.1f} TFLOP/s; {epoch['res']})"
+            if epoch
+            else "not measured",
             f"<= {goal:g} s",
             bool(epoch) and epoch["seconds"] <= goal,
         )

@@ -31,6 +31,7 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
         "graph = eager (dense)",
         "graph = eager (conv)",
         "conv epoch (DCHN shape)",
+        "conv epoch (DCHN shape, 16 / 8 steps)",
         "hopfield_resnet13 epoch",
         "CUDA tests",
     ):
@@ -53,9 +54,15 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
     collected = re.search(r"CUDA tests \| (\d+) CUDA tests collected", "\n".join(lines))
     assert collected and int(collected.group(1)) >= 8  # pytest -m cuda finds the marked tests
     assert re.search(r"conv epoch \(DCHN shape\) \| [\d.]+ s \(the whole epoch, eager", "\n".join(lines))
+    # the same machine at the settled steps, each epoch row with its last batch's residuals
+    settled = re.search(r"conv epoch \(DCHN shape, 16 / 8 steps\) \| [\d.]+ s \(the whole epoch, eager; .*"
+                        r"res free ([\d.]+) / nudged ([\d.]+)\)", "\n".join(lines))  # fmt: skip
+    assert settled and all(float(r) >= 0.999 for r in settled.groups())  # spd / sqrt(eps): never below the floor
     # the graph preset, shrunk: its epoch ran whole, and its FLOPs were counted
     assert re.search(
-        r"hopfield_resnet13 epoch \| [\d.]+ s \(the whole epoch, eager; [\d.]+ TFLOP/s\) \| <= 90 s", "\n".join(lines)
+        r"hopfield_resnet13 epoch \| [\d.]+ s \(the whole epoch, eager; [\d.]+ TFLOP/s; res free [\d.]+ / nudged "
+        r"[\d.]+\) \| <= 90 s",
+        "\n".join(lines),
     )
 
 
@@ -115,3 +122,13 @@ def test_the_frame_parts_graph_case_joins_the_graph_parts_and_its_error_fails_th
         assert sorted(calls) == [["dense", "dense, triton", "conv"], ["dense, frame kernel"]]
         assert "| graph = eager (dense, frame kernel) | error: CompilationError: x | bitwise | not met |" in out
         assert "| graph = eager (dense) | bitwise | bitwise | met |" in out
+
+
+def test_the_settled_conv_epoch_is_the_dchn_at_fewer_even_odd_steps():
+    """conv-epoch-settled runs the DCHN's own machine and batch (only the step counts differ), in the conv preset's
+    even/odd order, so its row and conv-epoch's compare the steps alone."""
+    real, settled = (gpu_checks.epoch_overrides(part, False) for part in ("conv-epoch", "conv-epoch-settled"))
+    steps = ("free_steps", "nudge_steps")
+    assert {k: v for k, v in settled.items() if k not in steps} == {k: v for k, v in real.items() if k not in steps}
+    assert [settled[k] for k in steps] == [16, 8] and [real[k] for k in steps] == [60, 15]
+    assert gpu_checks.config("conv", False, **settled).relaxation == "even_odd"
