@@ -161,7 +161,7 @@ class Workspace:
     """Everything a phase touches, allocated once for R rows and at most T steps."""
 
     state: State  # the running state
-    drive: Tensor  # (R, H_1) W_1 x + b_1, filled before the window
+    drive: Tensor  # (R, H_1) W_1 x + b_1, filled before the window (the stacked nudged rows': torch's steps only)
     drives: list[Tensor]  # (R, H_j) per layer the input drives: [drive] for a chain (energy.input_drive)
     target_mask: Tensor  # (R, K) 1 where candidate k carries the example's label
     beta_sign: Tensor  # (R, 1) the nudging strength of each row (+beta, -beta or 0), fixed at allocation
@@ -301,7 +301,8 @@ class PhaseRun:
     clamp: bool = False
     at_rest: bool = False  # the run starts from 0 in every layer (a free phase's first run): torch's steps read the
     # zeroed state and skip the pulls of layers still at 0; the Triton free kernel starts from 0 whatever it holds
-    replicas: int = 1  # ws.state is this many identical row blocks at step `start` (the nudged phases, from s0)
+    replicas: int = 1  # ws.state is this many identical row blocks at step `start` (the nudged phases, from s0;
+    # torch's steps: the Triton nudged kernel reads s0 itself at step 0)
     to_s0: bool = False  # a free phase's run: the Triton free kernel also writes its last state into s0 (torch's steps
     # leave the copy to free_phase)
     q_step: Callable[["PhaseRun", Tensor, Tensor, Tensor], None] = field(init=False, repr=False)

@@ -295,7 +295,7 @@ class Relaxation:
         """Relax T_nudge steps from s0 on E + beta * loss (force blocks) or with q clamped (clamp blocks), every nudged
         phase at once (stacked rows)."""
         ws, k = self.ws_nudged, self.nudge.phases
-        if not self.kernels_set_up:  # the Triton nudged kernel reads the free rows and forms their factors itself
+        if not self.kernels_set_up:  # the Triton kernel reads the free rows, forms their factors (and never clamps)
             torch._foreach_copy_(*self.nudged_start)
             if self.nudge.clamp:
                 clamp_output(ws)

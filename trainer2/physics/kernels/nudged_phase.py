@@ -117,7 +117,7 @@ def nudged_phase_kernel(
     KP: tl.constexpr,
 ):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
-    # The stacked rows are `rows / src_rows` blocks of the batch: row r copies the free phase's row r % src_rows (its
+    # The stacked rows are `rows / src_rows` blocks of the batch: row r reads the free phase's row r % src_rows (its
     # drive, its target mask and, FROM_S0, its equilibrium; the torch path copies them in); rows past the end none.
     src = tl.where(r < rows, r % src_rows, src_rows)
     if FROM_S0:  # a phase's first run starts at the free equilibrium s0
@@ -175,17 +175,16 @@ def nudged_window(
     start: int,
     steps: int,
     one_hot: bool,
-    even_odd: bool = False,
-    free: Workspace | None = None,
+    even_odd: bool,
+    free: Workspace,
     s0: list[Tensor] | None = None,
 ) -> None:
     """`steps` nudged fixed-point steps of every stacked row of ws in one launch (each row's beta from its beta_sign and
     the frame's -beta_r R_sc, formed in the kernel as set_nudge_scale forms it), Jacobi or even/odd; fills ws.q_hist
     and ws.spd_hist as fixed_point_steps (even_odd_steps) does. free: the free phase's workspace (B rows), whose drive
-    and target mask stacked row r reads at row r % B (else ws's own, copied in); s0 (its layers, (B, H_i) each): the
-    state the run starts from, row r at r % B (else ws.state)."""
+    and target mask stacked row r reads at row r % B; s0 (its layers, (B, H_i) each): the state the run starts from,
+    row r at r % B (else ws.state: a later run of the phase)."""
     args = chain_args(ws, params)
-    src = ws if free is None else free
     row_major(
         fold.lt,
         fold.c,
@@ -193,26 +192,27 @@ def nudged_window(
         fold.yc2,
         fold.caug,
         fold.bias,
-        src.drive,
-        src.target_mask,
+        free.drive,
+        free.target_mask,
         ws.beta_sign,
     )
-    src_rows = src.drive.shape[0]
-    if args["rows"] % src_rows or tuple(src.target_mask.shape) != (src_rows, ws.target_mask.shape[1]):
+    src_rows = free.drive.shape[0]
+    if args["rows"] % src_rows:
         raise ValueError(
-            f"Triton nudged kernel: {args['rows']} stacked rows are not blocks of the free phase's {src_rows} rows "
-            f"(target mask {tuple(src.target_mask.shape)})"
+            f"Triton nudged kernel: {args['rows']} stacked rows are not blocks of the free phase's {src_rows} rows"
         )
     start_from = ws.state.s if s0 is None else s0
+    want = {"free drive": (free.drive, (src_rows, ws.drive.shape[1]))}
+    want["free target mask"] = (free.target_mask, (src_rows, ws.target_mask.shape[1]))
     if s0 is not None:
-        want = {f"s0[{i}]": (t, (src_rows, h.shape[1])) for i, (t, h) in enumerate(zip(s0, ws.state.s, strict=True))}
-        sized(src.drive.dtype, **want)
+        want |= {f"s0[{i}]": (t, (src_rows, h.shape[1])) for i, (t, h) in enumerate(zip(s0, ws.state.s, strict=True))}
         row_major(*s0)
+    sized(ws.drive.dtype, **want)
     hidden = hidden_slots(start_from)
     n, k = args["N"], fold.yc2.shape[1]
     a = fold.mq_nudge[:, 2 * n + 2 :]  # A = L^T L, the last block of [-I | 0 | L^T | 0 | A]
     grid = (triton.cdiv(args["rows"], args["BR"]),)
-    args["drive_ptr"] = src.drive
+    args["drive_ptr"] = free.drive
     nudged_phase_kernel[grid](
         lt_ptr=fold.lt,
         lt_stride=fold.lt.stride(0),
@@ -224,7 +224,7 @@ def nudged_window(
         c_eps_ptr=fold.c,
         bias_ptr=fold.bias,
         scale_ptr=fold.neg_scale,
-        mask_ptr=src.target_mask,
+        mask_ptr=free.target_mask,
         sign_ptr=ws.beta_sign,
         qh_ptr=ws.q_hist,
         spd_ptr=ws.spd_hist,
