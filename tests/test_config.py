@@ -9,7 +9,7 @@ import yaml
 
 from trainer2.cli import main, train_parser
 from trainer2.flags import resolve_config
-from trainer2.presets import preset_dir, read_yaml
+from trainer2.presets import preset_dir, preset_names, read_yaml
 from trainer2.train_config import ConfigError, TrainConfig, build_config
 
 
@@ -90,7 +90,7 @@ def test_boolean_flags_take_no_prefix_and_optional_ints_take_none():
     assert config_from(["--no-symmetric_nudge"]).rule == "ep_positive"  # the old spelling of --rule ep_positive
 
 
-@pytest.mark.parametrize("name", ["dev", "production", "deep", "profiling", "conv"])
+@pytest.mark.parametrize("name", preset_names())
 def test_presets_are_valid(name):
     assert (preset_dir() / f"{name}.yaml").is_file()
     config_from(["--preset", name])

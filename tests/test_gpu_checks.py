@@ -33,6 +33,7 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
         "conv epoch (DCHN shape)",
         "conv epoch (DCHN shape, 16 / 8 steps)",
         "hopfield_resnet13 epoch",
+        "mnist_mlp epoch (60,000 images)",
         "CUDA tests",
     ):
         assert name in names, (name, names)
@@ -62,6 +63,11 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
     assert re.search(
         r"hopfield_resnet13 epoch \| [\d.]+ s \(the whole epoch, eager; [\d.]+ TFLOP/s; res free [\d.]+ / nudged "
         r"[\d.]+\) \| <= 90 s",
+        "\n".join(lines),
+    )
+    # the full-MNIST dense preset, shrunk: its epoch on 1x28x28 images, a time stated with no goal
+    assert re.search(
+        r"mnist_mlp epoch \(60,000 images\) \| [\d.]+ s \(the whole epoch, eager.*\| stated \(no goal\) \| met",
         "\n".join(lines),
     )
 

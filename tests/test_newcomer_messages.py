@@ -205,7 +205,7 @@ def test_plot_of_a_feature_run_draws_loss_and_accuracy_and_no_empty_bpc(
     trainer2.train(cfg, trainer2.from_arrays(x, y), log=lambda _: None)
     assert main(["plot", str(tmp_path / "f")]) == 0
     pngs = sorted(p.name for p in (tmp_path / "f" / "plots").glob("*.png"))
-    assert pngs == ["accuracy.png", "lior_spd.png", "loss.png", "speed.png"]
+    assert pngs == ["accuracy.png", "error.png", "lior_spd.png", "loss.png", "speed.png"]
     assert "bpc.png" not in capsys.readouterr().out
 
 
@@ -214,4 +214,4 @@ def test_plot_of_a_text_run_draws_its_loss_once_as_bits_per_character(tmp_path: 
     rows = [{"window": w, "train_loss": 3.0, "train_bpc": 4.3, "train_acc": 0.2} for w in (1, 2)]
     (tmp_path / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["plot", str(tmp_path)]) == 0
-    assert sorted(p.name for p in (tmp_path / "plots").glob("*.png")) == ["accuracy.png", "bpc.png"]
+    assert sorted(p.name for p in (tmp_path / "plots").glob("*.png")) == ["accuracy.png", "bpc.png", "error.png"]

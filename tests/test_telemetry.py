@@ -383,9 +383,50 @@ def test_plot_writes_pngs_from_a_small_telemetry_file(tmp_path, capsys):
     write_rows(tmp_path / "telemetry.jsonl", 5)
     assert main(["plot", str(tmp_path)]) == 0
     pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
-    assert pngs == ["accuracy.png", "bpc.png", "lior_spd.png", "speed.png", "timing.png"]
+    assert pngs == ["accuracy.png", "bpc.png", "error.png", "lior_spd.png", "speed.png", "timing.png"]
     assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert "bpc.png" in capsys.readouterr().out
+
+
+def test_plot_of_several_runs_draws_one_curve_per_run_against_wall_seconds(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    for name, n in (("a", 4), ("b", 6)):
+        (tmp_path / name).mkdir()
+        write_rows(tmp_path / name / "telemetry.jsonl", n)
+        rows = [json.loads(line) for line in (tmp_path / name / "telemetry.jsonl").read_text().splitlines()]
+        for r in rows:
+            r["wall_seconds"] = 2.0 * r["window"]
+        (tmp_path / name / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = {}  # file name -> {label: (x, y)}, read off each figure as it is saved
+    save = Figure.savefig
+
+    def record(fig, path, **kw):
+        ax = fig.axes[0]
+        drawn[Path(path).name] = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.lines}
+        assert ax.get_xlabel() == "wall seconds"
+        return save(fig, path, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    out = tmp_path / "cmp"
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--x", "wall_seconds", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == [
+        "accuracy.png",
+        "bpc.png",
+        "error.png",
+        "lior_spd.png",
+        "speed.png",
+    ]
+    # each run's evaluated curve, not its per-batch train_* noise; error is 100 (1 - acc) at the run's wall seconds
+    assert drawn["error.png"] == {
+        "a heldout_acc": ([8.0], [pytest.approx(70.0)]),
+        "b heldout_acc": ([12.0], [pytest.approx(70.0)]),
+    }
+    assert set(drawn["lior_spd.png"]) == {f"{r} {k}" for r in "ab" for k in ("lior_mean", "spd_mean", "spd_last")}
+    assert drawn["speed.png"]["b windows_per_second"][0] == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "--out" in capsys.readouterr().err
 
 
 def test_plot_without_matplotlib_says_what_to_install(tmp_path, capsys, monkeypatch):
