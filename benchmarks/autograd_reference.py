@@ -141,7 +141,8 @@ def exact_grads(
     names = list(machine.named_params())
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in machine.named_params().items()}
     with torch.enable_grad():
-        x = leaves["emb"][inputs].flatten(1) if "emb" in leaves else inputs
+        # feature and image rows in the machine's dtype (they load as float32; a float64 reference needs them so)
+        x = leaves["emb"][inputs].flatten(1) if "emb" in leaves else machine.input_vectors(inputs)
         last = len(machine.energy.weights) - 1
         tags = [("out" if i == last else str(i + 1)) for i in range(last + 1)]
         weights, biases = [leaves[f"W_{t}"] for t in tags], [leaves[f"b_{t}"] for t in tags]

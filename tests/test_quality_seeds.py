@@ -138,3 +138,19 @@ def test_a_seed_range_beyond_the_cap_is_refused_before_it_is_made(tmp_path, caps
     with pytest.raises(argparse.ArgumentTypeError, match="at most"):
         quality_seeds.parse_seeds("0-5000,6000-12000")  # counted over every part
     assert len(quality_seeds.parse_seeds(f"0-{quality_seeds.MAX_SEEDS - 1}")) == quality_seeds.MAX_SEEDS
+
+
+def test_a_dense_image_machine_runs_ep_against_exact_in_float64(tmp_path):
+    """mnist_mlp's shape (one dense layer on images): the exact reference's dense chain takes the image rows, which load
+    as float32, in its float64 machine's dtype (it failed there with a dtype mismatch), and the cosine is finite."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "digits.npz"
+    np.savez(data, x=rng.integers(0, 256, (48, 8, 8)).astype(np.uint8), y=np.arange(48) % 3)
+    flags = ["--preset", "mnist_mlp", "--data", str(data), "--heldout_fraction", "0.25", "--examples", "16"]
+    flags += ["--layers", "dense:16", "--batch_size", "8", "--cosine_batches", "1", "--eval_batches", "1"]
+    flags += ["--cpu_threads", "1", "--skip", "ff"]
+    out = tmp_path / "sweep"
+    assert quality_seeds.main(["--seeds", "0", "--out", str(out), "--", *flags]) == 0
+    run = json.loads((out / "quality-s0.json").read_text())
+    assert run["config"]["layers"] == [{"dense": 16}] and run["ep"]["examples_seen"] == run["exact"]["examples_seen"]
+    assert math.isfinite(run["ratio"]) and 0.9 < run["cosine"]["all"] <= 1.0 + 1e-9

@@ -154,6 +154,15 @@ def test_a_killed_run_leaves_only_whole_lines(small_text, tmp_path):
     assert windows == list(range(1, len(windows) + 1))
 
 
+def test_an_evaluation_off_the_log_cadence_still_runs_and_gets_its_row(small_text, tmp_path):
+    # eval every 3 windows, log every 2: windows 3 and 6 are evaluated (3 was skipped silently once: no row to carry it)
+    cfg = build_config([("test", run_flags(small_text, tmp_path, max_windows=7, eval_every_windows=3))])
+    Trainer(cfg, log=lambda s: None).train()
+    rows = [json.loads(line) for line in (tmp_path / "t" / "telemetry.jsonl").read_text().splitlines()]
+    assert [r["window"] for r in rows] == [2, 3, 4, 6, 7]
+    assert [r["window"] for r in rows if "heldout_bpc" in r] == [3, 6, 7]
+
+
 def test_telemetry_appends_and_stores_non_finite_values_as_null(tmp_path):
     cfg = tiny_config()
     t = Telemetry(tmp_path, cfg)
@@ -420,8 +429,8 @@ def test_plot_of_several_runs_draws_one_curve_per_run_against_wall_seconds(tmp_p
     ]
     # each run's evaluated curve, not its per-batch train_* noise; error is 100 (1 - acc) at the run's wall seconds
     assert drawn["error.png"] == {
-        "a heldout_acc": ([8.0], [pytest.approx(70.0)]),
-        "b heldout_acc": ([12.0], [pytest.approx(70.0)]),
+        "a heldout_error": ([8.0], [pytest.approx(70.0)]),
+        "b heldout_error": ([12.0], [pytest.approx(70.0)]),
     }
     assert set(drawn["lior_spd.png"]) == {f"{r} {k}" for r in "ab" for k in ("lior_mean", "spd_mean", "spd_last")}
     assert drawn["speed.png"]["b windows_per_second"][0] == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]

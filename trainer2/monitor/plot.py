@@ -117,8 +117,9 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, x: str = "windo
         keys = panel.keys
         if several and any(not k.startswith("train_") for k in keys):
             keys = tuple(k for k in keys if not k.startswith("train_"))
+        named = {k: k.replace("_acc", "_error") if panel.value is error_pct else k for k in keys}  # what is drawn
         drawn = [
-            (f"{run_dir.name} {key}" if several else key, *series(rows, key, x))
+            (f"{run_dir.name} {named[key]}" if several else named[key], *series(rows, key, x))
             for run_dir, rows in runs
             for key in keys
         ]

@@ -227,15 +227,15 @@ class Trainer:
             self.progress.examples += self.global_batch
             self.progress.wall_seconds = time.perf_counter() - start
             state.window = self.progress.window
-            state.logged = state.window % cfg.log_every_windows == 0 or state.done
+            evaluating = bool(cfg.eval_every_windows) and state.window % cfg.eval_every_windows == 0
+            # an evaluation window is logged too, whatever log_every_windows says: its figures need a row
+            state.logged = state.window % cfg.log_every_windows == 0 or evaluating or state.done
             if state.logged:
                 with mon.phase("logging"):
                     row = self.sync_metrics()
                 hooks.metrics(state, row)
                 diverged = state.stop is not None
-                if not diverged and (
-                    (cfg.eval_every_windows and state.window % cfg.eval_every_windows == 0) or state.done
-                ):
+                if not diverged and (evaluating or state.done):
                     row.update(self.evaluate())
                 self.progress.wall_seconds = time.perf_counter() - start
                 row["wall_seconds"] = self.progress.wall_seconds
