@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import statistics
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,13 +46,19 @@ def test_two_seeds_side_by_side_then_resumed_without_rerunning(tmp_path, small_t
     assert [(out / f"quality-s{s}.json").stat().st_mtime_ns for s in (0, 1)] == stamps
 
 
+def tiny_digits(tmp_path: Path) -> Path:
+    """An image .npz of 48 random 8x8 images in 3 classes (tmp_path/digits.npz)."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "digits.npz"
+    np.savez(data, x=rng.integers(0, 256, (48, 8, 8)).astype(np.uint8), y=np.arange(48) % 3)
+    return data
+
+
 def test_a_graph_machine_runs_ep_against_exact_end_to_end(tmp_path, capsys):
     """conv_res (a residual conv graph: strided convs, a skip, three colour groups) on tiny images: the sweep's one seed
     trains EP and the exact reference and writes a finite ratio and cosine; the feed-forward baseline, which knows
     chains only, is refused before any run unless skipped."""
-    rng = np.random.default_rng(0)
-    data = tmp_path / "digits.npz"
-    np.savez(data, x=rng.integers(0, 256, (48, 8, 8)).astype(np.uint8), y=np.arange(48) % 3)
+    data = tiny_digits(tmp_path)
     flags = ["--preset", "conv_res", "--data", str(data), "--heldout_fraction", "0.25", "--examples", "16"]
     flags += ["--batch_size", "8", "--free_steps", "4", "--nudge_steps", "2", "--cosine_batches", "1"]
     flags += ["--eval_batches", "1", "--cpu_threads", "1"]
@@ -143,9 +150,7 @@ def test_a_seed_range_beyond_the_cap_is_refused_before_it_is_made(tmp_path, caps
 def test_a_dense_image_machine_runs_ep_against_exact_in_float64(tmp_path):
     """mnist_mlp's shape (one dense layer on images): the exact reference's dense chain takes the image rows, which load
     as float32, in its float64 machine's dtype (it failed there with a dtype mismatch), and the cosine is finite."""
-    rng = np.random.default_rng(0)
-    data = tmp_path / "digits.npz"
-    np.savez(data, x=rng.integers(0, 256, (48, 8, 8)).astype(np.uint8), y=np.arange(48) % 3)
+    data = tiny_digits(tmp_path)
     flags = ["--preset", "mnist_mlp", "--data", str(data), "--heldout_fraction", "0.25", "--examples", "16"]
     flags += ["--layers", "dense:16", "--batch_size", "8", "--cosine_batches", "1", "--eval_batches", "1"]
     flags += ["--cpu_threads", "1", "--skip", "ff"]
