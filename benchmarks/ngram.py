@@ -5,7 +5,8 @@
 Counts come from the training split only. Every held-out character after the first `context_len` is predicted
 (the trainer's held-out examples, same targets) from the n-1 characters before it:
 p(x | h) = (c(h, x) + k) / (c(h) + k V), V the vocabulary size. k is chosen per order from a grid by its
-held-out bpc, so the baseline is an optimistic one (tuned on the numbers it reports). Prints one row per order.
+held-out bpc, so the baseline is an optimistic one (tuned on the numbers it reports); benchmarks/compressors.py
+chooses k on a validation split instead. Prints one row per order.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def lookup(table_keys: np.ndarray, table_counts: np.ndarray, query: np.ndarray) 
     return np.where(table_keys[pos] == query, table_counts[pos], 0)
 
 
-def held_out_bits(train: np.ndarray, heldout: np.ndarray, n: int, vocab: int, context_len: int) -> dict[float, float]:
-    """k -> mean bits per held-out character of the add-k n-gram (n >= 1)."""
+def held_out_bits(
+    train: np.ndarray, heldout: np.ndarray, n: int, vocab: int, context_len: int, ks: tuple[float, ...] = K_GRID
+) -> dict[float, float]:
+    """k -> mean bits per held-out character of the add-k n-gram (n >= 1), for each k of `ks`."""
     train_ends = np.arange(n - 1, len(train))
     gram_keys, gram_counts = np.unique(keys(train, n, vocab, train_ends), return_counts=True)
     ends = np.arange(context_len, len(heldout))
@@ -45,7 +48,7 @@ def held_out_bits(train: np.ndarray, heldout: np.ndarray, n: int, vocab: int, co
     else:  # the history's count as a prefix of a training n-gram, so numerator and denominator agree
         hist_keys, hist_counts = np.unique(keys(train, n - 1, vocab, train_ends - 1), return_counts=True)
         c_hist = lookup(hist_keys, hist_counts, keys(heldout, n - 1, vocab, ends - 1)).astype(np.float64)
-    return {k: float(-np.log2((c_gram + k) / (c_hist + k * vocab)).mean()) for k in K_GRID}
+    return {k: float(-np.log2((c_gram + k) / (c_hist + k * vocab)).mean()) for k in ks}
 
 
 def main() -> None:
