@@ -24,6 +24,8 @@ it in a second call with --parts):
               steps, batch 128;
   mnist-mlp-epoch  an epoch of the full-MNIST dense preset (mnist_mlp: 60,000 synthetic 1x28x28 images, its own
               width, batch and steps; issue 72): the GPU column of docs/mnist.md, a time stated, no goal;
+  mnist-conv-epoch  the same for the full-MNIST convolutional preset (mnist_conv: conv_deep's three conv layers,
+              batch 64, 8 / 4 steps);
   tests       the tests that need CUDA (`pytest -m cuda`: graph capture, the compiled Triton kernels against torch, ...;
               --tests all: the whole suite);
   readout     dev batch 8 and 4096, triton+graph with the readout's loss and gradients in torch (--readout_backend
@@ -91,6 +93,7 @@ SMOKE_DCHN = {
 }
 SMOKE_RESNET = {"batch_size": 8, "free_steps": 3, "nudge_steps": 2}  # and the preset's couplings, shrunk (smoke_graph)
 SMOKE_MNIST_MLP = {"layers": [{"dense": 16}], "batch_size": 8, "free_steps": 3, "nudge_steps": 2}
+SMOKE_MNIST_CONV = {**SMOKE_DCHN, "layers": [{"conv": {"channels": 4, "kernel": 3, "pool": 2}}] * 2}
 
 
 @dataclass
@@ -148,6 +151,7 @@ ESTIMATE_S = {  # 64c1620 on an H200 took 59, 4, 5, 34, 258, 1, 1, 66 (alone), 3
     "conv-epoch-settled": 25,  # a third of conv-epoch's steps; its warm-up and capture besides
     "resnet-epoch": 80,  # its timed batches stop at the epoch budget (60 s); warm-up and capture besides
     "mnist-mlp-epoch": 20,  # 938 batches of one dense layer; warm-up and capture besides (none measured yet)
+    "mnist-conv-epoch": 40,  # 937 batches of three small conv layers at 8 / 4 steps (none measured yet)
     "tests": 300,  # the compile tests and the Triton window check, each in a child process
     "readout": 10,
     "frame": 10,
@@ -386,6 +390,7 @@ EPOCH_PARTS = {
     "conv-epoch-settled": ("conv", DCHN_SETTLED, SMOKE_DCHN, "conv epoch (DCHN shape, 16 / 8 steps)", GOAL_EPOCH_S),
     "resnet-epoch": ("hopfield_resnet13", {}, SMOKE_RESNET, "hopfield_resnet13 epoch", GOAL_RESNET_EPOCH_S),
     "mnist-mlp-epoch": ("mnist_mlp", {}, SMOKE_MNIST_MLP, "mnist_mlp epoch (60,000 images)", None),
+    "mnist-conv-epoch": ("mnist_conv", {}, SMOKE_MNIST_CONV, "mnist_conv epoch (60,000 images)", None),
 }
 MNIST_SHAPE = (1, 28, 28)  # the full-MNIST parts' images (60,000 of them at GPU sizes); the others take the plan's
 

@@ -34,6 +34,7 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
         "conv epoch (DCHN shape, 16 / 8 steps)",
         "hopfield_resnet13 epoch",
         "mnist_mlp epoch (60,000 images)",
+        "mnist_conv epoch (60,000 images)",
         "CUDA tests",
     ):
         assert name in names, (name, names)
@@ -65,11 +66,12 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
         r"[\d.]+\) \| <= 90 s",
         "\n".join(lines),
     )
-    # the full-MNIST dense preset, shrunk: its epoch on 1x28x28 images, a time stated with no goal
-    assert re.search(
-        r"mnist_mlp epoch \(60,000 images\) \| [\d.]+ s \(the whole epoch, eager.*\| stated \(no goal\) \| met",
-        "\n".join(lines),
-    )
+    # the full-MNIST presets, shrunk: each epoch on 1x28x28 images, a time stated with no goal
+    for preset in ("mnist_mlp", "mnist_conv"):
+        assert re.search(
+            preset + r" epoch \(60,000 images\) \| [\d.]+ s \(the whole epoch, eager.*\| stated \(no goal\) \| met",
+            "\n".join(lines),
+        )
 
 
 def test_the_flop_count_follows_the_shapes():
