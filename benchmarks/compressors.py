@@ -53,12 +53,13 @@ def compressor_bits(before: str, predicted: str) -> dict[str, float]:
 
 def ngram_rows(data: Dataset, validation_fraction: float, context_len: int) -> tuple[list[tuple], int]:
     """([(order, k, validation bpc, held-out bpc)], the best order by validation bpc): k chosen per order on the
-    validation split, the held-out bpc from counts over the whole training split."""
+    trainer's validation split (Dataset.with_validation), the held-out bpc from counts over the whole training split."""
     train, heldout = data.train.numpy().astype(np.int64), data.heldout.numpy().astype(np.int64)
-    cut = len(train) - max(context_len + 1, round(len(train) * validation_fraction))
+    split = data.with_validation(validation_fraction)
+    fit, validation = split.train.numpy().astype(np.int64), split.validation.numpy().astype(np.int64)
     vocab, rows = len(data.vocab), []
     for n in ORDERS:
-        on_validation = held_out_bits(train[:cut], train[cut:], n, vocab, context_len)
+        on_validation = held_out_bits(fit, validation, n, vocab, context_len)
         k = min(on_validation, key=on_validation.get)
         rows.append((n, k, on_validation[k], held_out_bits(train, heldout, n, vocab, context_len, ks=(k,))[k]))
     return rows, min(rows, key=lambda r: r[2])[0]
