@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer2.physics.couplings import Conv, Coupling, Dense
+from trainer2.physics.couplings import Conv, Conv1d, Coupling, Dense
 from trainer2.physics.energy import Energy, energy
 from trainer2.physics.machine import Machine
 from trainer2.physics.readout import rotor_layers, rotor_matrix
@@ -226,7 +226,7 @@ def pull_forces(s: list[Tensor], x: Tensor, e: Energy, group: list[int]) -> list
 def has_pulls(e: Energy) -> bool:
     """Whether every coupling is a built-in dense or conv one (a subclass may change its energy), so `up` and `down`
     are its pulls."""
-    return all(type(c) in (Dense, Conv) for c in e.couplings)
+    return all(type(c) in (Dense, Conv, Conv1d) for c in e.couplings)
 
 
 def up(c: Coupling, below: Tensor) -> Tensor:
@@ -235,7 +235,9 @@ def up(c: Coupling, below: Tensor) -> Tensor:
         return c.apply(below, c.bias_).reshape(below.shape[0], -1)
     if type(c) is Dense:
         return below @ c.weight.T + c.bias_
-    raise TypeError(f"the autograd reference writes the dense and conv pulls, not {type(c).__qualname__}'s")
+    if type(c) is Conv1d:
+        return c.apply(below, c.bias_).reshape(below.shape[0], -1)
+    raise TypeError(f"the autograd reference writes the dense, conv and conv1d pulls, not {type(c).__qualname__}'s")
 
 
 def down(c: Coupling, above: Tensor, below: Tensor) -> Tensor:
@@ -247,7 +249,9 @@ def down(c: Coupling, above: Tensor, below: Tensor) -> Tensor:
         return c.transpose(above, where).reshape(above.shape[0], -1)
     if type(c) is Dense:
         return above @ c.weight
-    raise TypeError(f"the autograd reference writes the dense and conv pulls, not {type(c).__qualname__}'s")
+    if type(c) is Conv1d:
+        return c.transpose(above)
+    raise TypeError(f"the autograd reference writes the dense, conv and conv1d pulls, not {type(c).__qualname__}'s")
 
 
 def exact_grads_energy(

@@ -408,7 +408,7 @@ def test_layers_describe_the_architecture_and_hidden_sizes_is_their_shorthand(tm
     "layers, words",
     [
         ([{"conv": 3}], "layer 0 (conv): a conv layer's spec must be a mapping"),
-        ([{"pool": 3}], "kind in ['conv', 'dense']"),
+        ([{"pool": 3}], "kind in ['conv', 'conv1d', 'dense']"),
         ([{"dense": 0}], "integer >= 1"),
         ([{"dense": 8, "other": 2}], "one {kind: spec} entry"),
         ([], "at least 1"),

@@ -291,7 +291,7 @@ def test_a_piecewise_coupling_without_at_is_refused_by_name_where_its_piece_is_h
         ("no_such_module.Dense", "no module named 'no_such_module'"),
         ("trainer2.NoSuchCoupling", "has no 'NoSuchCoupling'"),
         ("trainer2.load", "is not a coupling: it lacks"),
-        ("denes", "kind in ['conv', 'dense'] or a dotted path"),
+        ("denes", "kind in ['conv', 'conv1d', 'dense'] or a dotted path"),
     ],
 )
 def test_a_coupling_that_names_nothing_usable_is_one_line_naming_it(kind, says, capsys):

@@ -8,14 +8,15 @@
     model = trainer2.load(run.checkpoint)                       # the same predictions as run.model
     best = trainer2.sweep("space.yaml", "dev", data, trials=20)  # Optuna over the space's fields (the sweep extra)
 
-Couplings are components: trainer2.Dense and trainer2.Conv are the built-in ones, and a class of your own (written to
-the trainer2.Coupling protocol, most simply a subclass of one of them) is named in `layers` by its dotted path.
+Couplings are components: trainer2.Dense, trainer2.Conv and trainer2.Conv1d (along a text context) are the built-in
+ones, and a class of your own (written to the trainer2.Coupling protocol, most simply a subclass of one of them) is
+named in `layers` by its dotted path.
 """
 
 from trainer2.components import ComponentError, UntrustedCodeError
 from trainer2.data.arrays import from_arrays
 from trainer2.data.dataset import DataError, Dataset, LabelWarning
-from trainer2.physics.couplings import Conv, Coupling, Dense
+from trainer2.physics.couplings import Conv, Conv1d, Coupling, Dense
 from trainer2.presets import config
 from trainer2.running.checkpoint import CheckpointError
 from trainer2.running.health import Diverged
@@ -31,6 +32,7 @@ __all__ = [
     "ComponentError",
     "ConfigError",
     "Conv",
+    "Conv1d",
     "Coupling",
     "DataError",
     "Dataset",

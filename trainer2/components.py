@@ -24,6 +24,7 @@ BUILTIN: dict[str, dict[str, str]] = {
     "coupling": {
         "dense": "trainer2.physics.couplings.dense.Dense",
         "conv": "trainer2.physics.couplings.conv.Conv",
+        "conv1d": "trainer2.physics.couplings.conv1d.Conv1d",
     },
     "cost": {
         "retrieval": "trainer2.physics.costs.retrieval.Retrieval",

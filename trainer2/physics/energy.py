@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from trainer2.components import resolve
-from trainer2.physics.couplings import Conv, Coupling, Dense
+from trainer2.physics.couplings import Conv, Conv1d, Coupling, Dense
 from trainer2.physics.graph import Graph, Plan
 
 
@@ -90,7 +90,7 @@ class Energy:
     def kinds(self) -> list[str]:
         """Each coupling's kind: a built-in's short name for the built-in class itself, else its class's dotted path
         (a subclass of Dense may change what its pulls compute, so it is not "dense" to the Triton kernels)."""
-        builtin = {Dense: Dense.kind, Conv: Conv.kind}
+        builtin = {Dense: Dense.kind, Conv: Conv.kind, Conv1d: Conv1d.kind}
         return [builtin.get(type(c), f"{type(c).__module__}.{type(c).__qualname__}") for c in self.couplings]
 
     @property

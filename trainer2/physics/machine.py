@@ -103,7 +103,8 @@ class MachineConfig(Section):
                 hint = ""
                 size_given = isinstance(spec, int) and not isinstance(spec, bool) and spec >= 1
                 if size_given and not isinstance(e, ConfigError):  # the kind resolved, but takes a spec, not a size
-                    example = f"{{channels: {spec}, kernel: 5, pool: 2}}" if kind == "conv" else "{...}"
+                    examples = {"conv": "kernel: 5, pool: 2", "conv1d": "kernel: 4, stride: 4"}
+                    example = f"{{channels: {spec}, {examples[kind]}}}" if kind in examples else "{...}"
                     hint = (
                         f"; a {kind} layer is written in YAML (a --config FILE), e.g. layers: [{{{kind}: {example}}}], "
                         "since the --layers flag's KIND:SIZE gives only a size"
@@ -230,13 +231,14 @@ def build_machine(
     seed: int,
 ) -> Machine:
     """Initialise a machine, deterministically from `seed`. input_dim = context_len (tokens: an embedding is learned)
-    or D; input_shape: the clamped input's (C, H, W) for image data (None: flat)."""
+    or D; input_shape: the clamped input's (C, H, W) for image data (None: (context_len, embed_dim) text, or flat)."""
     dtype = getattr(torch, spec.dtype)
     gen = torch.Generator().manual_seed(seed)
     emb = torch.randn(num_classes, spec.embed_dim, generator=gen, dtype=dtype) if tokens else None
-    x_dim = input_dim * spec.embed_dim if tokens else input_dim
+    # text: context_len embeddings side by side, token-major (L, E), the sequence a conv1d coupling reads (dense: flat)
+    x_shape = (input_dim, spec.embed_dim) if tokens else (input_dim,)
     try:
-        energy = init_energy(input_shape or (x_dim,), spec.plan(), gen, dtype)
+        energy = init_energy(input_shape or x_shape, spec.plan(), gen, dtype)
     except ValueError as e:  # a layer that cannot sit on the one below it (a conv above flat data)
         raise ConfigError(f"{'couplings' if spec.couplings else 'layers'}: {e}") from None
     n = spec.coord_dim_n

@@ -51,7 +51,7 @@ def needs(cfg: TrainConfig, spec: InputSpec, heldout: int) -> list[Need]:
     s = torch.finfo(getattr(torch, cfg.dtype)).bits // 8
     n, k, v, b = cfg.coord_dim_n, cfg.rotor_k, spec.num_classes, cfg.batch_size
     text = spec.tokens
-    x_shape = spec.input_shape or (spec.input_dim * cfg.embed_dim if text else spec.input_dim,)
+    x_shape = spec.input_shape or ((spec.input_dim, cfg.embed_dim) if text else (spec.input_dim,))
     couplings = chain(cfg, x_shape)
     sizes = [math.prod(kind.spec_size(spec, below)) for kind, spec, below in couplings]
     params = (v * cfg.embed_dim if text else 0) + sum(kind.param_count(below, spec) for kind, spec, below in couplings)

@@ -4,7 +4,8 @@ trainer2.components)."""
 from __future__ import annotations
 
 from trainer2.physics.couplings.conv import Conv
+from trainer2.physics.couplings.conv1d import Conv1d
 from trainer2.physics.couplings.coupling import Coupling
 from trainer2.physics.couplings.dense import Dense
 
-__all__ = ["Conv", "Coupling", "Dense"]
+__all__ = ["Conv", "Conv1d", "Coupling", "Dense"]
