@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer2.physics.couplings.coupling import Sides, bring_under_cap
+from trainer2.physics.couplings.coupling import Sides, bring_under_cap, cap_by_iteration, power_step
 
 SPEC_KEYS = {"channels", "kernel", "pool", "pooling", "stride", "padding"}
 POOLINGS = ("avg", "max")
@@ -307,23 +307,12 @@ class Conv:
     def power_step(self, u: Tensor) -> tuple[Tensor, Tensor]:
         """u <- L L^T u / |L L^T u| in place; returns (sigma, v), v = L^T u / |L^T u|, sigma = |L v| = u^T L v. Both
         poolings are 1-Lipschitz, so capping L caps the pull's Lipschitz constant."""
-        v = self.transpose(u.view(1, -1)).reshape(-1)
-        v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
-        u.copy_(self.linear(v.view(1, -1)).flatten())
-        sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)
-        u.div_(sigma)
-        return sigma, v
+        return power_step(u, self.transpose, self.linear)
 
     def cap_exact(self, cap: float) -> None:
         """Power iteration to convergence from a fixed random vector (at build, once; a conv's matrix is too big to
         factor): within 1e-3 of the norm at the tested sizes, and the per-update cap keeps converging from there."""
-        gen = torch.Generator().manual_seed(0)
-        u = torch.randn(self.power_size, generator=gen, dtype=self.weight.dtype).to(self.weight.device)
-        for _ in range(EXACT_ITERS):
-            sigma, _ = self.power_step(u)
-        norm = float(sigma)
-        if norm > cap:
-            self.weight.mul_(cap / norm)
+        cap_by_iteration(self.weight, self.power_size, self.power_step, cap, EXACT_ITERS)
 
     def cap_power(self, cap: Tensor | float, u: Tensor, clip: bool = False) -> None:
         steady = self.with_kernel()  # both steps see the same K: derive K' once

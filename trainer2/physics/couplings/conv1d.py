@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer2.physics.couplings.coupling import Sides, bring_under_cap
+from trainer2.physics.couplings.coupling import Sides, bring_under_cap, cap_by_iteration, power_step
 
 SPEC_KEYS = {"channels", "kernel", "stride"}
 EXACT_ITERS = 500  # power-iteration steps of the build-time cap (the conv coupling's: singular values crowd)
@@ -230,22 +230,11 @@ class Conv1d:
 
     def power_step(self, u: Tensor) -> tuple[Tensor, Tensor]:
         """u <- L L^T u / |L L^T u| in place; returns (sigma, v), v = L^T u / |L^T u|, sigma = |L v| = u^T L v."""
-        v = self.transpose(u.view(1, -1)).reshape(-1)
-        v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
-        u.copy_(self.apply(v.view(1, -1), None).flatten())
-        sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)
-        u.div_(sigma)
-        return sigma, v
+        return power_step(u, self.transpose, lambda v: self.apply(v, None))
 
     def cap_exact(self, cap: float) -> None:
         """Power iteration to convergence from a fixed random vector (at build, once)."""
-        gen = torch.Generator().manual_seed(0)
-        u = torch.randn(self.power_size, generator=gen, dtype=self.weight.dtype).to(self.weight.device)
-        for _ in range(EXACT_ITERS):
-            sigma, _ = self.power_step(u)
-        norm = float(sigma)
-        if norm > cap:
-            self.weight.mul_(cap / norm)
+        cap_by_iteration(self.weight, self.power_size, self.power_step, cap, EXACT_ITERS)
 
     def cap_power(self, cap: Tensor | float, u: Tensor, clip: bool = False) -> None:
         for _ in range(2):

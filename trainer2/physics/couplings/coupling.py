@@ -12,6 +12,7 @@ named in the config by its dotted path: `layers: [{my_couplings.WideDense: 64}]`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar, Protocol
 
 import torch
@@ -129,3 +130,30 @@ def bring_under_cap(weight: Tensor, sigma: Tensor, cap: Tensor | float, top: Ten
     excess = torch.sub(sigma, cap).clamp_(min=0.0)
     weight.sub_(top.mul_(excess / top.square().sum().clamp_(min=torch.finfo(top.dtype).tiny)))
     weight.mul_(torch.div(cap * CLIP_SLACK, sigma).clamp_(max=1.0))
+
+
+def power_step(
+    u: Tensor, adjoint: Callable[[Tensor], Tensor], forward: Callable[[Tensor], Tensor]
+) -> tuple[Tensor, Tensor]:
+    """One power-iteration step on an operator L given as its forward and adjoint over (1, size) rows: u <- L L^T u /
+    |L L^T u| in place; returns (sigma, v), v = L^T u / |L^T u|, sigma = |L v| = u^T L v (the conv couplings')."""
+    v = adjoint(u.view(1, -1)).reshape(-1)
+    v.div_(torch.linalg.vector_norm(v).clamp_min_(1e-12))
+    u.copy_(forward(v.view(1, -1)).flatten())
+    sigma = torch.linalg.vector_norm(u).clamp_min_(1e-12)
+    u.div_(sigma)
+    return sigma, v
+
+
+def cap_by_iteration(
+    weight: Tensor, size: int, step: Callable[[Tensor], tuple[Tensor, Tensor]], cap: float, iters: int
+) -> None:
+    """Scale `weight` so its operator's norm, found by `iters` steps of `step` from a fixed random u (size,), is at most
+    `cap` (at build, once: an operator too big to factor)."""
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(size, generator=gen, dtype=weight.dtype).to(weight.device)
+    for _ in range(iters):
+        sigma, _ = step(u)
+    norm = float(sigma)
+    if norm > cap:
+        weight.mul_(cap / norm)
