@@ -71,6 +71,7 @@ def main() -> None:
     elif args.eval_every is not None:
         overrides["eval_every_windows"] = args.eval_every
     cfg = trainer2.config(args.preset, seed=args.seed, save_every_windows=0, **overrides)
+    commit = commit_of()  # the code this process runs: read now, not after a run that outlasts a commit
     started = time.perf_counter()
     data = dataset(args.data, args.split)
     load_s = time.perf_counter() - started
@@ -95,7 +96,7 @@ def main() -> None:
         "examples_per_s": round(s["windows"] * cfg.batch_size / wall),
         "data_load_s": round(load_s, 2),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        "commit": commit_of(),
+        "commit": commit,
         "run_dir": str(run_dir),
         **overrides,
     }
