@@ -26,6 +26,7 @@ it in a second call with --parts):
               width, batch and steps; issue 72): the GPU column of docs/mnist.md, a time stated, no goal;
   mnist-conv-epoch  the same for the full-MNIST convolutional preset (mnist_conv: conv_deep's three conv layers,
               batch 64, 8 / 4 steps);
+  mnist-res-epoch  the same for the full-MNIST residual preset (mnist_res: that chain and a skip from the input);
   tests       the tests that need CUDA (`pytest -m cuda`: graph capture, the compiled Triton kernels against torch, ...;
               --tests all: the whole suite);
   readout     dev batch 8 and 4096, triton+graph with the readout's loss and gradients in torch (--readout_backend
@@ -91,7 +92,7 @@ SMOKE_DCHN = {
     "free_steps": 3,
     "nudge_steps": 2,
 }
-SMOKE_RESNET = {"batch_size": 8, "free_steps": 3, "nudge_steps": 2}  # and the preset's couplings, shrunk (smoke_graph)
+SMOKE_RESNET = {"batch_size": 8, "free_steps": 3, "nudge_steps": 2}  # and a graph preset's couplings, smoke_graph
 SMOKE_MNIST_MLP = {"layers": [{"dense": 16}], "batch_size": 8, "free_steps": 3, "nudge_steps": 2}
 SMOKE_MNIST_CONV = {**SMOKE_DCHN, "layers": [{"conv": {"channels": 4, "kernel": 3, "pool": 2}}] * 2}
 
@@ -152,6 +153,7 @@ ESTIMATE_S = {  # 64c1620 on an H200 took 59, 4, 5, 34, 258, 1, 1, 66 (alone), 3
     "resnet-epoch": 80,  # its timed batches stop at the epoch budget (60 s); warm-up and capture besides
     "mnist-mlp-epoch": 20,  # 938 batches of one dense layer; warm-up and capture besides (none measured yet)
     "mnist-conv-epoch": 40,  # 937 batches of three small conv layers at 8 / 4 steps (none measured yet)
+    "mnist-res-epoch": 50,  # the same and one more conv coupling (none measured yet)
     "tests": 300,  # the compile tests and the Triton window check, each in a child process
     "readout": 10,
     "frame": 10,
@@ -192,6 +194,8 @@ def config(preset: str, smoke: bool, **overrides):
     small = {**SMOKE_DENSE} if smoke and preset not in IMAGE_PRESETS else {"device": "cpu"} if smoke else {}
     if smoke and preset == "conv":
         small.update(layers=[{"conv": {"channels": 4, "kernel": 3, "pool": 2}}], free_steps=3, nudge_steps=2)
+    if "couplings" in overrides:  # a graph keeps its own named layers (mnist_res)
+        small.pop("layers", None)
     return trainer2.config(preset, **{**small, **overrides})
 
 
@@ -391,6 +395,7 @@ EPOCH_PARTS = {
     "resnet-epoch": ("hopfield_resnet13", {}, SMOKE_RESNET, "hopfield_resnet13 epoch", GOAL_RESNET_EPOCH_S),
     "mnist-mlp-epoch": ("mnist_mlp", {}, SMOKE_MNIST_MLP, "mnist_mlp epoch (60,000 images)", None),
     "mnist-conv-epoch": ("mnist_conv", {}, SMOKE_MNIST_CONV, "mnist_conv epoch (60,000 images)", None),
+    "mnist-res-epoch": ("mnist_res", {}, SMOKE_RESNET, "mnist_res epoch (60,000 images)", None),
 }
 MNIST_SHAPE = (1, 28, 28)  # the full-MNIST parts' images (60,000 of them at GPU sizes); the others take the plan's
 

@@ -35,6 +35,7 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
         "hopfield_resnet13 epoch",
         "mnist_mlp epoch (60,000 images)",
         "mnist_conv epoch (60,000 images)",
+        "mnist_res epoch (60,000 images)",
         "CUDA tests",
     ):
         assert name in names, (name, names)
@@ -67,7 +68,7 @@ def test_the_smoke_run_prints_every_goal_row_and_the_table_last(capsys):
         "\n".join(lines),
     )
     # the full-MNIST presets, shrunk: each epoch on 1x28x28 images, a time stated with no goal
-    for preset in ("mnist_mlp", "mnist_conv"):
+    for preset in ("mnist_mlp", "mnist_conv", "mnist_res"):
         assert re.search(
             preset + r" epoch \(60,000 images\) \| [\d.]+ s \(the whole epoch, eager.*\| stated \(no goal\) \| met",
             "\n".join(lines),
