@@ -1,5 +1,6 @@
-"""The validation split: the end of the training data set apart (validation_fraction), evaluated and logged beside the
-held-out split, which it never touches, so settings are tuned without looking at the held-out figure."""
+"""The validation split: the end of the training data set apart (validation_fraction). A run with one scores it, and
+not the held-out split, which it never touches: settings are tuned without looking at the held-out figure, and the
+held-out split is scored once, when asked (`trainer2 evaluate`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import trainer2
 from trainer2.cli import main
 from trainer2.data.load import load_dataset
 from trainer2.monitor.telemetry import read_telemetry
+from trainer2.running.summary import done_line
 
 TINY = dict(
     layers=[{"dense": 10}],
@@ -43,17 +45,30 @@ def test_the_validation_split_is_the_end_of_the_training_split(small_text):
         load_dataset(str(small_text), 3, heldout_fraction=0.5).with_validation(0.999)
 
 
-def test_a_run_logs_validation_beside_held_out_and_both_reach_the_summary(tmp_path, small_text):
+def test_a_run_with_a_validation_split_scores_validation_only_and_leaves_held_out_to_evaluate(tmp_path, small_text):
     cfg = trainer2.config(None, **TINY, data=str(small_text), context_len=3, validation_fraction=0.2)
-    run = trainer2.train(cfg, run_dir=tmp_path / "v", log=lambda *_: None)
-    rows = read_telemetry(tmp_path / "v" / "telemetry.jsonl")
-    assert all({"validation_bpc", "heldout_bpc", "validation_acc"} <= r.keys() for r in rows)
+    lines: list[str] = []
+    run = trainer2.train(cfg, run_dir=tmp_path / "v", log=lines.append)
+    rows = [r for r in read_telemetry(tmp_path / "v" / "telemetry.jsonl") if "validation_loss" in r]
+    assert [r["window"] for r in rows] == [10, 20]  # every evaluation scored the validation split...
+    assert all({"validation_bpc", "validation_acc"} <= r.keys() for r in rows)
+    assert not any(k.startswith("heldout_") for r in rows for k in r)  # ...and never the held-out one
     summary = json.loads((tmp_path / "v" / "summary.json").read_text())
-    assert summary["validation_bpc"] == rows[-1]["validation_bpc"] and summary["heldout_bpc"] == rows[-1]["heldout_bpc"]
+    assert summary["validation_bpc"] == rows[-1]["validation_bpc"] and "heldout_bpc" not in summary
+    assert summary["heldout_window"] == 20
     assert run.model.evaluate(split="validation")["validation_bpc"] == pytest.approx(summary["validation_bpc"])
+    assert "heldout_bpc" in run.model.evaluate()  # the held-out split is scored when asked
     # The machine trained on the shorter training split only: the sampler counts the examples before the cut.
     plain = load_dataset(str(small_text), 3)
     assert run.model.data.num_examples("train") < plain.num_examples("train")
+
+
+def test_the_done_line_names_the_split_it_scored():
+    base = {"windows": 2, "examples_seen": 16, "wall_seconds": 1.0, "windows_per_second": 2.0}
+    line = done_line({**base, "validation_bpc": 2.5, "validation_acc": 0.5, "validation_loss": 1.7})
+    assert "validation bpc 2.500, acc 0.500" in line and "held-out split not scored" in line
+    line = done_line({**base, "heldout_loss": 0.25, "heldout_acc": 0.9})
+    assert "held-out loss 0.250 nats/example, acc 0.900" in line and "not scored" not in line
 
 
 def test_the_validation_fraction_defines_the_run_and_cannot_change_on_resume(tmp_path, small_text, capsys):

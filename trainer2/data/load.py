@@ -45,9 +45,9 @@ class DataConfig(Section):
         0.0,
         ge=0.0,
         lt=1.0,
-        description="Fraction of the training data, by position (its end), set apart as a validation split: evaluated "
-        "and logged beside the held-out split (validation_*), so settings are tuned without looking at the held-out "
-        "figure; 0 = none.",
+        description="Fraction of the training data, by position (its end), set apart as a validation split; a run with "
+        "one scores it (validation_*) instead of the held-out split, so settings are tuned without seeing a held-out "
+        "figure (`evaluate` scores that when asked); 0 = none.",
     )
     augment_shift: int = Field(
         0,

@@ -78,7 +78,13 @@ def split_metrics(sums: Tensor, tokens: bool, split: str = "heldout") -> dict[st
     return out
 
 
-def evaluate_splits(
+def scored_split(data: Dataset) -> str:
+    """The split a run scores while it trains: its validation split when it has one, so a setting tuned on a run's
+    figures never saw the held-out split (that is scored once, when asked: `trainer2 evaluate`), else the held-out."""
+    return "validation" if data.validation is not None else "heldout"
+
+
+def evaluate_split(
     relaxation_for: Callable[[int], Relaxation],
     data: Dataset,
     device: torch.device,
@@ -86,11 +92,9 @@ def evaluate_splits(
     shard: tuple[int, int],
     reduce: Callable[[Tensor, str], None],
 ) -> dict[str, float]:
-    """The metrics of the validation split (when there is one) and the held-out split, this process scoring its `shard`
-    of the batches and `reduce` (an all-reduce sum under torchrun) adding up every process's sums."""
-    out: dict[str, float] = {}
-    for split in ("validation", "heldout") if data.validation is not None else ("heldout",):
-        sums = heldout_sums(relaxation_for, data, device, max_batches, shard, split)
-        reduce(sums, f"the {split} evaluation")
-        out.update(split_metrics(sums, data.tokens, split))
-    return out
+    """The metrics of the split a run scores (scored_split), this process scoring its `shard` of the batches and
+    `reduce` (an all-reduce sum under torchrun) adding up every process's sums."""
+    split = scored_split(data)
+    sums = heldout_sums(relaxation_for, data, device, max_batches, shard, split)
+    reduce(sums, f"the {split} evaluation")
+    return split_metrics(sums, data.tokens, split)

@@ -1,5 +1,6 @@
-"""A run's summary: its held-out figures, length, speed and how it ended, as <run_dir>/summary.json (strict JSON: a
-non-finite number is null) and as the one line the command line prints."""
+"""A run's summary: its held-out figures (validation figures, for a run with a validation split), length, speed and
+how it ended, as <run_dir>/summary.json (strict JSON: a non-finite number is null) and as the one line the command
+line prints."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ SUMMARY_FILE = "summary.json"
 
 
 def last_evaluation(history: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The newest logged row with held-out figures, or None."""
-    return next((r for r in reversed(history) if "heldout_loss" in r), None)
+    """The newest logged row with evaluation figures (held-out or validation), or None."""
+    return next((r for r in reversed(history) if "heldout_loss" in r or "validation_loss" in r), None)
 
 
 def summary(last_eval: dict[str, Any] | None, data_kind: str, progress: Progress, **ending: Any) -> dict[str, Any]:
@@ -52,10 +53,13 @@ def done_line(values: dict[str, Any]) -> str:
     def fmt(key: str) -> str:
         return "non-finite" if values.get(key) is None else f"{values[key]:.3f}"
 
-    score = f"bpc {fmt('heldout_bpc')}" if "heldout_bpc" in values else f"loss {fmt('heldout_loss')} nats/example"
+    split = "validation" if "validation_loss" in values else "heldout"
+    score = f"bpc {fmt(split + '_bpc')}" if f"{split}_bpc" in values else f"loss {fmt(split + '_loss')} nats/example"
+    what = "validation" if split == "validation" else "held-out"
+    left = " (held-out split not scored: `evaluate` scores it)" if split == "validation" else ""
     return (
         f"done: {values['windows']} windows, {values['examples_seen']} examples in {values['wall_seconds']:.1f}s "
-        f"({values['windows_per_second']:.2f} win/s); held-out {score}, acc {fmt('heldout_acc')}"
+        f"({values['windows_per_second']:.2f} win/s); {what} {score}, acc {fmt(split + '_acc')}{left}"
     )
 
 

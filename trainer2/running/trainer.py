@@ -49,7 +49,7 @@ from trainer2.running.checkpointing import (
 )
 from trainer2.running.checkpointing import run_meta as make_meta
 from trainer2.running.distributed import Distributed
-from trainer2.running.evaluation import evaluate_splits, relaxation_cache
+from trainer2.running.evaluation import evaluate_split, relaxation_cache
 from trainer2.running.health import Diverged, Health, all_finite, divergence_message
 from trainer2.running.metrics import metric_row
 from trainer2.running.parts import all_cpu_threads, build_parts, resolve_device, set_library_switches
@@ -260,11 +260,12 @@ class Trainer:
     # --- evaluation ---
 
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
-        """Held-out (and, with a validation split, validation) loss in nats per example, accuracy and, for text, bits
-        per character. Under torchrun each rank scores every world_size-th batch and the sums are added up."""
+        """Validation (with a validation split; the held-out split is then left for `trainer2 evaluate`) or held-out
+        loss in nats per example, accuracy and, for text, bits per character. Under torchrun each rank scores every
+        world_size-th batch and the sums are added up."""
         limit = max_batches if max_batches is not None else self.cfg.eval_batches
         shard = (self.dist.rank, self.dist.world_size)
-        return evaluate_splits(self.scoring, self.data, self.device, limit, shard, self.dist.all_reduce_sum)
+        return evaluate_split(self.scoring, self.data, self.device, limit, shard, self.dist.all_reduce_sum)
 
     # --- state ---
 
@@ -328,8 +329,8 @@ class Trainer:
         self.log(f"resumed from {path} at window {self.progress.window}")
 
     def save_summary(self, interrupted: str | None = None, diverged: str | None = None) -> dict[str, Any]:
-        """Write <run_dir>/summary.json and return it. Held-out figures come from the last evaluation (heldout_window
-        says when); a stopped run is not evaluated again."""
+        """Write <run_dir>/summary.json and return it. Its figures (validation, with a validation split, else held-out)
+        come from the last evaluation (heldout_window says when); a stopped run is not evaluated again."""
         last = last_evaluation(self.history)
         if last is None and interrupted is None and diverged is None:
             last = {"window": self.progress.window, **self.evaluate()}
