@@ -316,10 +316,12 @@ def test_a_data_format_is_found_by_its_reader_or_by_name(tmp_path):
 
 def test_presets_inherit_from_a_base_and_the_list_of_presets_is_the_directory(tmp_path):
     deep = yaml.safe_load((preset_dir() / "deep.yaml").read_text())
-    assert deep["base"] == "production" and len(deep) <= 4  # says only what differs
+    own = ("layers", "coord_dim_n", "embed_dim", "batch_size", "max_windows", "eta_update", "weight_decay")
+    assert deep["base"] == "production" and set(deep) == {"base", *own}  # says only what differs
     cfg, production = trainer2.config("deep"), trainer2.config("production")
-    assert cfg.layers == [{"dense": 1024}] and cfg.coord_dim_n == 32 and cfg.embed_dim == 32
-    same = {k for k in trainer2.TrainConfig.model_fields if k not in ("layers", "coord_dim_n", "embed_dim")}
+    assert cfg.layers == [{"dense": 2048}] and cfg.coord_dim_n == 32 and cfg.embed_dim == 32
+    assert cfg.weight_decay == 0.0005 and production.weight_decay == 0.0
+    same = {k for k in trainer2.TrainConfig.model_fields if k not in own}
     assert {k: getattr(cfg, k) for k in same} == {k: getattr(production, k) for k in same}
     assert preset_names() == sorted(p.stem for p in preset_dir().glob("*.yaml"))
     (tmp_path / "mine.yaml").write_text("base: deep\nmax_windows: 7\n")
