@@ -24,6 +24,8 @@ FLAGS = [
     "0",
     "--coord_dim_n",
     "4",
+    "--layers",
+    "dense:8",
 ]
 
 
@@ -36,7 +38,7 @@ def runs(tmp_path, monkeypatch):
     np.savez(tmp_path / "f.npz", x=x, y=y)
     for name, windows in (("a", "4"), ("b", "2")):
         args = [*FLAGS, "--data", "f.npz", "--run_name", name, "--max_windows", windows, "--save_every_windows", "2"]
-        assert main([*args, "--layers", "dense:8"]) == 0
+        assert main(args) == 0
     return tmp_path / "checkpoints"
 
 

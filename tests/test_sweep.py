@@ -77,7 +77,7 @@ def test_a_sweep_runs_ordinary_trials_writes_its_results_and_resumes(here, capsy
     best_summary = yaml.safe_load((folder / f"trial-{rows[0]['number']}/summary.json").read_text())
     assert study.best_value == best_summary["validation_loss"]  # the value is the trial's own validation loss
     first = study.trials[0]  # the sweep starts from the config it was given: the dev preset's own values
-    assert first.params == {"eta_update": 0.004, "free_steps": 6} and first.user_attrs["start"] is True
+    assert first.params == {"eta_update": 0.0025, "free_steps": 6} and first.user_attrs["start"] is True
     assert len({t.params["eta_update"] for t in study.trials}) == 4
     assert "validation / held-out loss" in out and ", acc " in out and "wall time" in out
     best = yaml.safe_load((folder / "best.yaml").read_text())

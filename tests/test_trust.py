@@ -162,8 +162,8 @@ def test_the_users_own_coupling_runs_and_resumes_with_its_name_or_consent(tmp_pa
     """Named on the command line it runs as before; its resume command carries --trust_code (this user's own code),
     and a resume naming the same coupling again needs no flag."""
     (tmp_path / "my_couplings.py").write_text(MY_COUPLINGS)
-    base = ["--preset", "dev", "--eval_batches", "1", "--checkpoint_dir", "ck", "--run_name", "w", "--coord_dim_n", "4"]
-    proc = cli([*base, "--max_windows", "2", "--layers", "my_couplings.WideDense:8"], tmp_path)
+    base = ["--eval_batches", "1", "--checkpoint_dir", "ck", "--run_name", "w", "--coord_dim_n", "4"]
+    proc = cli(["--preset", "dev", *base, "--max_windows", "2", "--layers", "my_couplings.WideDense:8"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     monkeypatch.syspath_prepend(str(tmp_path))  # a script in the user's directory finds the module there
     model = trainer2.load(tmp_path / "ck" / "w" / "step_00000002", trust_code=True)
