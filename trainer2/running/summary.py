@@ -53,10 +53,11 @@ def done_line(values: dict[str, Any]) -> str:
     def fmt(key: str) -> str:
         return "non-finite" if values.get(key) is None else f"{values[key]:.3f}"
 
-    split = "validation" if "validation_loss" in values else "heldout"
+    # a run with a validation split scored it, never the held-out split (trainer2.running.evaluation.scored_split)
+    split, what, left = ("heldout", "held-out", "")
+    if "validation_loss" in values:
+        split, what, left = ("validation", "validation", " (held-out split not scored: `evaluate` scores it)")
     score = f"bpc {fmt(split + '_bpc')}" if f"{split}_bpc" in values else f"loss {fmt(split + '_loss')} nats/example"
-    what = "validation" if split == "validation" else "held-out"
-    left = " (held-out split not scored: `evaluate` scores it)" if split == "validation" else ""
     return (
         f"done: {values['windows']} windows, {values['examples_seen']} examples in {values['wall_seconds']:.1f}s "
         f"({values['windows_per_second']:.2f} win/s); {what} {score}, acc {fmt(split + '_acc')}{left}"
