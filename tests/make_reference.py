@@ -28,7 +28,8 @@ OUT = Path(__file__).resolve().parent / "data" / "reference_50_windows.json"
 # settings keeps the recorded values a check that the arithmetic of that window is unchanged since dc24e50 (the
 # even/odd window is checked against Jacobi's in tests/test_even_odd.py).
 DC24E50_DEV = {"relaxation": "jacobi", "free_steps": 12, "nudge_steps": 6, "batch_size": 64, "eta_update": 0.003}
-DEV_256 = {"layers": [{"dense": 256}], "weight_decay": 0.0}  # dev's machine then; wider, with decay, since issue 73
+# dev's machine then; wider, with decay and 32-wide embeddings, since issue 73
+DEV_256 = {"layers": [{"dense": 256}], "weight_decay": 0.0, "embed_dim": 16}
 DC24E50_PRODUCTION = {"relaxation": "jacobi", "free_steps": 12, "nudge_steps": 6}
 CASES = {
     "dev": ("dev", {**DC24E50_DEV, **DEV_256}),
@@ -37,7 +38,7 @@ CASES = {
         "deep",
         {**DC24E50_PRODUCTION, "layers": [{"dense": 1024}], "batch_size": 64, "eta_update": 0.003, "weight_decay": 0.0},
     ),
-    "dev_three_layers": ("dev", {**DC24E50_DEV, "hidden_sizes": [48, 32, 24], "weight_decay": 0.0}),
+    "dev_three_layers": ("dev", {**DC24E50_DEV, "hidden_sizes": [48, 32, 24], "weight_decay": 0.0, "embed_dim": 16}),
 }
 SAMPLES = 64  # entries kept per parameter, evenly spaced over its flattened elements
 
